@@ -1,0 +1,255 @@
+"""Run directories, checkpoints, the final HF export, and clean stops on SIGINT/SIGTERM.
+
+Layout of a run directory::
+
+    config.yaml                    resolved config (written once, at start)
+    metrics.jsonl                  one line per update and per stage
+    stages/stage_KKK/              rollouts_rank{R}.safetensors (+ rollouts.jsonl, readable)
+    checkpoints/ckpt_UUUUUU/       model.safetensors, optimizer.pt, trainer_state.json
+    final_model/                   HF folder: AutoModelForCausalLM.from_pretrained(...) loads it
+
+A checkpoint is written into a temporary folder, fsynced, then renamed: a folder named ``ckpt_*``
+is always complete. The newest ``keep_last`` are kept. It holds the model, optimizer and LR
+schedule, every RNG state, and the position (stage, update, update within the stage); the stage's
+data is on disk already, so resuming mid-stage never regenerates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mugrpo import distributed as dist
+from mugrpo.config import Config, dump_yaml
+from mugrpo.data import atomic_write_text
+
+# Keys whose change makes a resumed run a different experiment (checked by --resume).
+RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
+                    "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
+                    "train.save_stage_text", "train.save_final_model")
+
+
+class RunDirError(RuntimeError):
+    """A run directory that cannot be used as asked; the message says what to do."""
+
+
+class Interrupted(Exception):
+    """Training stopped on SIGINT/SIGTERM after checkpointing."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(f"training stopped cleanly and checkpointed. Resume with: mugrpo train --resume {run_dir}")
+        self.run_dir = run_dir
+
+
+def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = True) -> None:
+    run_dir = Path(run_dir)
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
+        return
+    if is_main:
+        if run_dir.exists() and any(run_dir.iterdir()):
+            raise RunDirError(f"run directory {str(run_dir)!r} is not empty. To continue that run: "
+                              f"mugrpo train --resume {run_dir}; to start afresh, choose a new --run-dir "
+                              "or delete the old one")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=run_dir):
+                pass
+        except OSError as exc:
+            raise RunDirError(f"run directory {str(run_dir)!r} is not writable ({exc.strerror}); "
+                              "choose another --run-dir") from exc
+        atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+    dist.barrier()
+
+
+def check_resume_compatible(saved: dict, current: dict) -> None:
+    """Raise RunDirError naming every key that differs between the saved and the requested config."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and k != "params":
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    a, b = flat(saved), flat(current)
+    diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in RESUME_SAFE_KEYS]
+    if diff:
+        detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff)
+        raise RunDirError(f"--resume with a config that differs from the run's own ({detail}). A resumed run "
+                          f"must be the same experiment; only {', '.join(RESUME_SAFE_KEYS)} may change. "
+                          "Start a new run for different settings")
+
+
+def _rng_state() -> dict:
+    import numpy as np
+
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.cpu().contiguous() for name, t in dist.full_state_items(model)}
+
+
+def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
+    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder."""
+    root = Path(run_dir) / "checkpoints"
+    name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
+    final = root / name
+    model_sd = _full_state_dict(policy)  # a collective under FSDP2: every rank takes part
+    optim_sd = optimizer.state_dict() if not dist.is_sharded(policy) else _sharded_optim_state(policy, optimizer)
+    if world.size > 1:
+        optim_path_name = f"optimizer_rank{world.rank}.pt"
+    else:
+        optim_path_name = "optimizer.pt"
+    tmp = root / f".tmp-{name}"
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    torch.save({"optimizer": optim_sd, "rng": _rng_state()}, tmp / optim_path_name)
+    if world.is_main:
+        save_file(model_sd, str(tmp / "model.safetensors"))
+        torch.save({"scheduler": scheduler.state_dict()}, tmp / "scheduler.pt")
+        trainer_state = {**dataclasses.asdict(state), "elapsed_s": elapsed_s, "world_size": world.size}
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+    dist.barrier()
+    if world.is_main:
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # the same position saved twice (e.g. interrupted right after a stage save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        for old in sorted(p for p in root.glob("ckpt_*"))[:-cfg.checkpoint.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _sharded_optim_state(policy, optimizer) -> dict:
+    # Under FSDP2 each rank's optimizer holds only its shards (DTensors); save them per rank.
+    return optimizer.state_dict()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))
+    return found[-1] if found else None
+
+
+def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
+    """Restore model, optimizer, schedule and RNGs from the newest checkpoint; return the RunState."""
+    from mugrpo.trainer import RunState
+
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise RunDirError(f"--resume {run_dir}: no checkpoint found under checkpoints/; the run died before its "
+                          "first checkpoint, so start it again in a new --run-dir")
+    saved = json.loads((path / "trainer_state.json").read_text())
+    if saved.get("world_size", 1) != world.size:
+        raise RunDirError(f"--resume {run_dir}: the run used {saved.get('world_size', 1)} process(es), this launch "
+                          f"has {world.size}; relaunch with the same number of processes")
+    model_sd = load_file(str(path / "model.safetensors"))
+    _load_full_state_dict(policy, model_sd)
+    optim_name = f"optimizer_rank{world.rank}.pt" if world.size > 1 else "optimizer.pt"
+    blob = torch.load(path / optim_name, weights_only=False)
+    optimizer.load_state_dict(blob["optimizer"])
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False)["scheduler"])
+    _set_rng_state(blob["rng"])
+    fields = {f.name for f in dataclasses.fields(RunState)}
+    state = RunState(**{k: v for k, v in saved.items() if k in fields})
+    if world.is_main:
+        print(f"[mugrpo] resumed from {path.name}: stage {state.stage}, update {state.update} "
+              f"({state.update_in_stage} done in this stage)")
+    return state
+
+
+@torch.no_grad()
+def _load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    for name, param in model.named_parameters():
+        value = state_dict[name]
+        if hasattr(param, "full_tensor"):  # FSDP2 DTensor: copy this rank's shard
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
+            param.to_local().copy_(value.to_local())
+        else:
+            param.copy_(value.to(param.device, param.dtype))
+
+
+def export_hf(policy, tokenizer, target: Path, world) -> None:
+    """Save the policy as one HF folder (full weights gathered under FSDP2), atomically."""
+    state_dict = _full_state_dict(policy)
+    if not world.is_main:
+        dist.barrier()
+        return
+    target = Path(target)
+    tmp = target.with_name(f".tmp-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp, state_dict=state_dict)
+    tokenizer.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    dist.barrier()
+
+
+class GracefulStop:
+    """SIGINT/SIGTERM set ``requested``; the loop finishes its update, checkpoints and stops.
+
+    A second SIGINT restores the default handler's behaviour (KeyboardInterrupt) at once.
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n[mugrpo] {signal.Signals(signum).name} received: finishing the current update, then "
+              "checkpointing and stopping (Ctrl-C again to abort at once)", flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

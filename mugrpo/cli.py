@@ -1,0 +1,122 @@
+"""The ``mugrpo`` command: ``train`` and ``plan`` (``eval`` and ``report`` live in their modules).
+
+Every verb that takes a config accepts ``--preset NAME``, ``--config FILE.yaml`` and ``key=value``
+overrides of any field (dotted names). Errors in user input exit with status 2 and one message
+that names the problem and the fix, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from mugrpo.config import PRESETS, ConfigError, from_dict, load_config, parse_override, set_value, to_dict
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError,)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from mugrpo.checkpoint import RunDirError
+    from mugrpo.models import ModelError
+    from mugrpo.tasks import TaskError
+    from mugrpo.trainer import TrainingError
+
+    return (ConfigError, RunDirError, ModelError, TaskError, TrainingError)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default mu-grpo)")
+    p.add_argument("--config", help="YAML file of overrides (nested sections or dotted keys)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="override any config field, e.g. loss.veto_delta=1e-3 schedule.total_updates=64")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mugrpo", description="Mu-GRPO: staged stale-rollout GRPO for RLVR")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    train = sub.add_parser("train", help="train a policy (default: mu-grpo on SmolLM2-135M, basic arithmetic)")
+    _add_config_args(train)
+    train.add_argument("--run-dir", help="output folder (default runs/<preset>-<time>)")
+    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    plan = sub.add_parser("plan", help="print the stage plan a config implies, without training")
+    _add_config_args(plan)
+    config = sub.add_parser("config", help="print the resolved config (YAML) or the config reference")
+    _add_config_args(config)
+    config.add_argument("--reference", action="store_true", help="print every key with its default and doc")
+    for name, (module, helptext) in _EXTRA_VERBS.items():
+        extra = sub.add_parser(name, help=helptext)
+        extra.set_defaults(_extra_module=module)
+        __import__(module, fromlist=["add_arguments"]).add_arguments(extra)
+    return parser
+
+
+# Verbs implemented in their own modules: name -> (module with add_arguments(p) and run(args), help).
+_EXTRA_VERBS: dict[str, tuple[str, str]] = {}
+
+
+def _resolve(args) -> "object":
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    errors = _user_errors()
+    try:
+        if getattr(args, "_extra_module", None):
+            return __import__(args._extra_module, fromlist=["run"]).run(args) or 0
+        if args.verb == "plan":
+            from mugrpo.plan import format_plan, make_plan
+
+            cfg = _resolve(args)
+            print(format_plan(make_plan(cfg), cfg))
+            return 0
+        if args.verb == "config":
+            return _config_verb(args)
+        return _train_verb(args)
+    except errors as exc:
+        print(f"mugrpo: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _config_verb(args) -> int:
+    from mugrpo.config import dump_yaml, field_docs
+
+    if args.reference:
+        for key, default, doc in field_docs():
+            print(f"{key} = {default}\n    {doc}" if doc else f"{key} = {default}")
+        return 0
+    print(dump_yaml(_resolve(args)), end="")
+    return 0
+
+
+def _train_verb(args) -> int:
+    import yaml
+
+    from mugrpo.checkpoint import Interrupted, check_resume_compatible
+    from mugrpo.trainer import train
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved_path = run_dir / "config.yaml"
+        if not saved_path.is_file():
+            raise ConfigError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
+        if args.preset or args.config:
+            raise ConfigError("--resume takes the run's own config.yaml; drop --preset/--config "
+                              "(key=value overrides of resume-safe keys are allowed)")
+        saved = yaml.safe_load(saved_path.read_text())
+        cfg = from_dict(saved)
+        for text in args.overrides:  # applied on top of the saved config, not the defaults
+            set_value(cfg, *parse_override(text))
+        check_resume_compatible(saved, to_dict(cfg))
+    else:
+        cfg = _resolve(args)
+        run_dir = Path(args.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        final = train(cfg, run_dir, resume=bool(args.resume))
+    except Interrupted as exc:
+        print(f"[mugrpo] {exc}", file=sys.stderr)
+        return 130
+    print(f"[mugrpo] done. Run directory: {run_dir}  final model: {final}")
+    return 0

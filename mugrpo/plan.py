@@ -1,0 +1,133 @@
+"""Stage planner: the schedule's derived quantities, computed once from the config (pure).
+
+Nothing here is written back into the config. ``mugrpo plan`` prints :func:`format_plan`.
+
+Definitions (ALGORITHM.md section 3):
+- U = total updates = K stages x mu updates per stage.
+- Each update draws ``prompts_per_update`` prompt groups (G sequences each) from the stage data,
+  shuffled, cycling through several passes when mu x prompts_per_update > prompts_per_stage.
+- Staleness of update j (0-based) inside a stage = j: the number of optimizer updates since the
+  behaviour snapshot was taken.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mugrpo.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_stages: int
+    updates_per_stage: int
+    total_updates: int
+    prompts_per_stage: int
+    group_size: int
+    prompts_per_update: int
+    sequences_per_stage: int
+    sequences_per_update: int
+    world_size: int
+    sequences_per_update_per_rank: int
+    micro_batch_size: int
+    micro_batches_per_update: int
+    passes_per_stage: float
+    max_staleness: int
+    weight_syncs: int
+
+
+def make_plan(cfg: Config, world_size: int = 1) -> Plan:
+    """Derive the schedule from ``cfg.schedule`` and ``cfg.rollout``; raise ConfigError if impossible."""
+    s, r = cfg.schedule, cfg.rollout
+    total = s.total_updates
+    if s.updates_per_stage is not None and s.num_stages is not None:
+        if s.updates_per_stage * s.num_stages != total:
+            raise ConfigError(
+                f"schedule.num_stages={s.num_stages} x schedule.updates_per_stage={s.updates_per_stage} = "
+                f"{s.num_stages * s.updates_per_stage} updates, but schedule.total_updates={total}; "
+                "set one of them to null (it is derived) or make them agree"
+            )
+        mu, stages = s.updates_per_stage, s.num_stages
+    elif s.updates_per_stage is not None:
+        mu = s.updates_per_stage
+        if total % mu:
+            raise ConfigError(
+                f"schedule.total_updates={total} is not a multiple of schedule.updates_per_stage={mu}"
+            )
+        stages = total // mu
+    else:
+        stages = s.num_stages
+        if total % stages:
+            raise ConfigError(f"schedule.total_updates={total} is not a multiple of schedule.num_stages={stages}")
+        mu = total // stages
+    prompts_per_stage = r.prompts_per_stage if r.prompts_per_stage is not None else mu * s.prompts_per_update
+    if s.prompts_per_update > prompts_per_stage:
+        raise ConfigError(
+            f"schedule.prompts_per_update={s.prompts_per_update} exceeds rollout.prompts_per_stage="
+            f"{prompts_per_stage}: one update would need more prompts than a stage generates"
+        )
+    seq_per_update = s.prompts_per_update * r.group_size
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if s.prompts_per_update % world_size or prompts_per_stage % world_size:
+        raise ConfigError(
+            f"schedule.prompts_per_update={s.prompts_per_update} and rollout.prompts_per_stage="
+            f"{prompts_per_stage} must both be divisible by the number of ranks ({world_size}), "
+            "so that whole prompt groups stay on one rank"
+        )
+    per_rank = seq_per_update // world_size
+    if per_rank % s.micro_batch_size:
+        raise ConfigError(
+            f"sequences per update per rank ({s.prompts_per_update} prompts x G={r.group_size} / "
+            f"{world_size} ranks = {per_rank}) is not a multiple of schedule.micro_batch_size="
+            f"{s.micro_batch_size}; choose a micro_batch_size that divides {per_rank}"
+        )
+    return Plan(
+        num_stages=stages,
+        updates_per_stage=mu,
+        total_updates=total,
+        prompts_per_stage=prompts_per_stage,
+        group_size=r.group_size,
+        prompts_per_update=s.prompts_per_update,
+        sequences_per_stage=prompts_per_stage * r.group_size,
+        sequences_per_update=seq_per_update,
+        world_size=world_size,
+        sequences_per_update_per_rank=per_rank,
+        micro_batch_size=s.micro_batch_size,
+        micro_batches_per_update=per_rank // s.micro_batch_size,
+        passes_per_stage=mu * s.prompts_per_update / prompts_per_stage,
+        max_staleness=mu - 1,
+        weight_syncs=stages,
+    )
+
+
+def format_plan(plan: Plan, cfg: Config) -> str:
+    rows = [
+        ("preset", cfg.preset),
+        ("stages (K)", plan.num_stages),
+        ("updates per stage (mu)", plan.updates_per_stage),
+        ("total updates (U)", plan.total_updates),
+        ("weight syncs", plan.weight_syncs),
+        ("prompts per stage", plan.prompts_per_stage),
+        ("group size (G)", plan.group_size),
+        ("sequences per stage", plan.sequences_per_stage),
+        ("prompts per update", plan.prompts_per_update),
+        ("sequences per update", plan.sequences_per_update),
+        ("ranks", plan.world_size),
+        ("sequences per update per rank", plan.sequences_per_update_per_rank),
+        ("micro-batch size (sequences)", plan.micro_batch_size),
+        ("micro-batches per update per rank", plan.micro_batches_per_update),
+        ("passes over each stage's data", f"{plan.passes_per_stage:g}"),
+        ("staleness range (updates)", f"0 .. {plan.max_staleness}"),
+        ("clip range", _clip_text(cfg)),
+        ("veto", "none" if cfg.loss.veto_scope == "none"
+         else f"{cfg.loss.veto_scope}, delta={cfg.loss.veto_delta:g}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _clip_text(cfg: Config) -> str:
+    if cfg.loss.clip_mode == "m2po":
+        return f"M2PO (second-moment budget {cfg.loss.m2po_budget:g})"
+    return f"[{1 - cfg.loss.clip_eps_low:g}, {1 + cfg.loss.clip_eps_high:g}]"

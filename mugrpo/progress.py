@@ -1,0 +1,57 @@
+"""Console progress: tqdm bars for generation and optimisation, and a one-line stage summary.
+
+Disabled (``enabled=False``) on ranks other than 0 and with ``train.progress=false``; the loop
+calls it unconditionally either way.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+_SHOWN = (("loss/policy", "loss", "{:+.4f}"), ("loss/clip_frac_low", "clip_lo", "{:.3f}"),
+          ("loss/clip_frac_high", "clip_hi", "{:.3f}"), ("loss/veto_token_frac", "veto", "{:.3f}"),
+          ("loss/ratio_mean_neg", "rho-", "{:.3f}"), ("optim/grad_norm", "gnorm", "{:.2f}"))
+
+
+def _fmt(fmt: str, value) -> str:
+    return "nan" if value is None or (isinstance(value, float) and math.isnan(value)) else fmt.format(value)
+
+
+class Progress:
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def bar(self, total: int, desc: str, unit: str = "upd", initial: int = 0):
+        if not self.enabled:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr, dynamic_ncols=True,
+                    leave=True)
+
+    def advance(self, bar, n: int) -> None:
+        if bar is not None:
+            bar.update(n)
+
+    def update(self, bar, metrics: dict) -> None:
+        if bar is None:
+            return
+        bar.set_postfix_str(" ".join(f"{name}={_fmt(fmt, metrics.get(key))}" for key, name, fmt in _SHOWN),
+                            refresh=False)
+        bar.update(1)
+
+    def close(self, bar) -> None:
+        if bar is not None:
+            bar.close()
+
+    def stage_summary(self, stage: int, m: dict) -> None:
+        if not self.enabled:
+            return
+        parts = [f"reward {_fmt('{:.3f}', m.get('reward/mean'))}",
+                 f"len {_fmt('{:.1f}', m.get('stage/response_len_mean'))}",
+                 f"zero-var {_fmt('{:.2f}', m.get('stage/zero_var_group_frac'))}"]
+        for key in ("perf/sync_s", "perf/generate_s", "perf/score_s", "perf/optimize_s"):
+            if m.get(key) is not None:
+                parts.append(f"{key.split('/')[1][:-2]} {m[key]:.1f}s")
+        print(f"[mugrpo] stage {stage} done: " + " | ".join(parts), file=sys.stderr, flush=True)

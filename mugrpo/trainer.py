@@ -1,0 +1,368 @@
+"""The staged Mu-GRPO loop (ALGORITHM.md section 3), one code path for every preset.
+
+Each stage: push weights to the engine (the stage's only sync) -> generate every prompt of the
+stage once, with behaviour log-probs -> score -> group advantages -> persist the stage dataset ->
+release the engine -> mu optimizer updates on the static data, ratios always against the STORED
+behaviour log-probs. ``grpo`` is this loop with mu = 4.
+
+What lives elsewhere: the math (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`,
+:mod:`mugrpo.advantages`), the schedule arithmetic (:mod:`mugrpo.plan`), persistence of stage
+data (:mod:`mugrpo.data`), checkpoints (:mod:`mugrpo.checkpoint`), engines
+(:mod:`mugrpo.engines`), and multi-process concerns (:mod:`mugrpo.distributed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mugrpo import checkpoint as ckpt
+from mugrpo import distributed as dist
+from mugrpo.advantages import group_advantages
+from mugrpo.config import Config, dump_yaml
+from mugrpo.data import StageData, collate, update_groups, write_stage_text
+from mugrpo.engines import SamplingConfig, make_engine
+from mugrpo.logprobs import token_logprobs
+from mugrpo.losses import finalize_metrics, policy_loss
+from mugrpo.metrics import JsonlLogger, NullLogger
+from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
+from mugrpo.plan import Plan, format_plan, make_plan
+from mugrpo.progress import Progress
+from mugrpo.tasks import build_task, prompt_ids
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (e.g. too many non-finite updates in a row); the message says why."""
+
+
+@dataclass
+class RunState:
+    """Everything positional that a resume needs besides weights, optimizer and RNG states."""
+
+    stage: int = 0
+    update_in_stage: int = 0
+    """Updates already done in ``stage`` (0 = the stage's data may not exist yet)."""
+    update: int = 0
+    """Global optimizer updates done."""
+    bad_update_streak: int = 0
+    num_skipped_updates: int = 0
+    elapsed_s: float = 0.0
+    """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
+    """Run (or resume) a training run in ``run_dir``; returns the final model folder."""
+    run_dir = Path(run_dir)
+    world = dist.init()
+    plan = make_plan(cfg, world.size)
+    ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
+    _configure_torch(cfg)
+    model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
+    model_path = dist.broadcast_object(model_path)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+    policy = load_policy(model_path, cfg.model.trust_remote_code)
+    ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    policy, device = dist.prepare_model(policy, cfg, world)
+    if ref_model is not None:
+        ref_model.to(device).requires_grad_(False)
+    optimizer, scheduler = build_optimizer(policy, cfg, plan)
+    state = RunState()
+    if resume:
+        state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world)
+    task = build_task(cfg.task)
+    engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
+    logger = JsonlLogger(run_dir / "metrics.jsonl") if world.is_main else NullLogger()
+    progress = Progress(enabled=cfg.train.progress and world.is_main)
+    if world.is_main:
+        print(format_plan(plan, cfg))
+    t_start = time.perf_counter() - state.elapsed_s
+    stopper = ckpt.GracefulStop()
+    try:
+        while state.stage < plan.num_stages:
+            stage_dir = run_dir / "stages" / f"stage_{state.stage:03d}"
+            data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
+                                                         cfg, plan, world, progress)
+            if state.update_in_stage == 0:
+                ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world,
+                          elapsed_s=time.perf_counter() - t_start)
+            t_opt = time.perf_counter()
+            bar = progress.bar(plan.updates_per_stage, f"stage {state.stage} optimise", initial=state.update_in_stage)
+            while state.update_in_stage < plan.updates_per_stage:
+                t_update = time.perf_counter()
+                metrics = optimizer_update(policy, optimizer, scheduler, data, state, cfg, plan, world, device,
+                                           ref_model)
+                state.update += 1
+                state.update_in_stage += 1
+                metrics.update({"perf/update_s": time.perf_counter() - t_update, "stage/staleness":
+                                state.update_in_stage - 1})
+                if state.update_in_stage == 1:
+                    stage_metrics["stage/engine_logprob_mismatch"] = metrics.get("loss/log_ratio_abs_mean")
+                logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
+                progress.update(bar, metrics)
+                interrupted = stopper.requested
+                due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
+                if (due or interrupted) and state.update_in_stage < plan.updates_per_stage:
+                    ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world,
+                              elapsed_s=time.perf_counter() - t_start)
+                if interrupted:
+                    break
+            progress.close(bar)
+            if stopper.requested and state.update_in_stage < plan.updates_per_stage:
+                raise ckpt.Interrupted(run_dir)
+            stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt
+            logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=plan.updates_per_stage))
+            if world.is_main:
+                progress.stage_summary(state.stage, stage_metrics)
+            state.stage += 1
+            state.update_in_stage = 0
+            ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world,
+                      elapsed_s=time.perf_counter() - t_start)
+            if stopper.requested and state.stage < plan.num_stages:
+                raise ckpt.Interrupted(run_dir)
+        final = run_dir / "final_model"
+        if cfg.train.save_final_model:
+            ckpt.export_hf(policy, tokenizer, final, world)
+        return final
+    finally:
+        stopper.restore()
+        logger.close()
+        engine.close()
+
+
+def _record(kind: str, state: RunState, t_start: float, metrics: dict, update_in_stage: int) -> dict:
+    return {"kind": kind, "stage": state.stage, "update": state.update, "update_in_stage": update_in_stage,
+            "time_s": time.perf_counter() - t_start, **metrics}
+
+
+def _configure_torch(cfg: Config) -> None:
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(cfg.train.seed)
+
+
+def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
+    o = cfg.optim
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr,
+                                  betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+
+    def factor(step: int) -> float:
+        if o.warmup_updates and step < o.warmup_updates:
+            return (step + 1) / o.warmup_updates
+        progress = (step - o.warmup_updates) / max(1, plan.total_updates - o.warmup_updates)
+        if o.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        if o.lr_schedule == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation phase.
+
+
+def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, task, tokenizer, cfg: Config,
+                           plan: Plan, world, progress) -> tuple[StageData, dict]:
+    """The stage's data: read back if persisted (resume), else sync -> generate -> score -> persist."""
+    path = stage_dir / f"rollouts_rank{world.rank}.safetensors"
+    if path.is_file():
+        data = StageData.load(path)
+        return data, {"stage/resumed": 1.0, **_stage_stats(data, world)}
+    t0 = time.perf_counter()
+    engine.wake()
+    engine.load_weights(dist.full_state_items(policy))
+    t_sync = time.perf_counter()
+    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + state.stage)
+    indices = task.sample(plan.prompts_per_stage, gen)
+    indices = indices[world.rank::world.size]  # whole groups per rank
+    prompts = [prompt_ids(tokenizer, task.items[i].question, cfg.task) for i in indices]
+    prompts, indices = _check_prompt_lengths(prompts, indices, cfg)
+    r = cfg.rollout
+    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens,
+                              seed=cfg.train.seed * 1_000_003 + state.stage * 101 + world.rank)
+    bar = progress.bar(len(prompts) * r.group_size, f"stage {state.stage} generate", unit="seq")
+    completions = engine.generate(prompts, sampling, progress=lambda n: progress.advance(bar, n))
+    progress.close(bar)
+    engine.sleep()
+    t_gen = time.perf_counter()
+    flat = [c for group in completions for c in group]
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+    items = [task.items[i] for i in indices for _ in range(r.group_size)]
+    rewards, score_stats = task.score_all(texts, items)
+    rewards = rewards.view(len(prompts), r.group_size)
+    advantages, zero_var = group_advantages(rewards, std_scale=cfg.loss.adv_std_scale, eps=cfg.loss.adv_eps)
+    data = StageData(prompts, [c.token_ids for c in flat], [c.behavior_logprobs for c in flat],
+                     rewards.flatten(), advantages.flatten(),
+                     torch.tensor([c.finish_reason == "stop" for c in flat]), indices, r.group_size)
+    stats = _stage_stats(data, world)
+    stats["stage/zero_var_group_frac"] = dist.mean_over_ranks(zero_var.float().sum(), len(prompts))
+    if cfg.loss.drop_zero_var_groups:
+        data = data.subset([g for g in range(data.num_groups) if not zero_var[g]])
+        if data.num_groups == 0:
+            raise TrainingError(f"stage {state.stage}: every group has zero reward variance, nothing to learn "
+                                "from. Lower task difficulty or set loss.drop_zero_var_groups=false")
+    t_score = time.perf_counter()
+    data.save(path)
+    if cfg.train.save_stage_text and world.is_main:
+        write_stage_text(stage_dir / "rollouts.jsonl", data, tokenizer, task.items)
+    if score_stats.first_error and world.is_main:
+        print(f"[mugrpo] warning: the reward function raised {score_stats.num_errors} time(s) in stage "
+              f"{state.stage} (scored 0); first traceback:\n{score_stats.first_error}")
+    num_new = sum(len(c.token_ids) for c in flat)
+    stats.update({
+        "perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
+        "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9),
+        "reward/error_count": score_stats.num_errors, "reward/timeout_count": score_stats.num_timeouts,
+        "reward/invalid_count": score_stats.num_invalid,
+        "reward/unparsable_frac": score_stats.num_unparsable / max(score_stats.num_scored, 1),
+        "stage/num_prompts_skipped": plan.prompts_per_stage // world.size - len(prompts),
+    })
+    return data, stats
+
+
+def _stage_stats(data: StageData, world) -> dict:
+    lengths = torch.tensor([len(r) for r in data.responses], dtype=torch.float32)
+    rewards = dist.gather_cat(data.rewards)
+    return {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
+        "stage/response_len_mean": dist.mean_over_ranks(lengths.sum(), lengths.numel()),
+        "stage/truncated_frac": dist.mean_over_ranks((~data.finished).float().sum(), lengths.numel()),
+        "stage/num_sequences": int(rewards.numel()),
+        "stage/num_groups": int(rewards.numel()) // data.group_size,
+    }
+
+
+def _check_prompt_lengths(prompts, indices, cfg: Config):
+    limit, policy = cfg.task.max_prompt_tokens, cfg.task.prompt_too_long
+    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
+    if not too_long:
+        return prompts, indices
+    if policy == "error":
+        raise TrainingError(f"{len(too_long)} prompt(s) are longer than task.max_prompt_tokens={limit} "
+                            f"(longest {max(len(prompts[i]) for i in too_long)} tokens). Raise the limit, or set "
+                            "task.prompt_too_long=skip or truncate")
+    if policy == "truncate":
+        return [p[-limit:] for p in prompts], indices
+    keep = [i for i in range(len(prompts)) if len(prompts[i]) <= limit]
+    if not keep:
+        raise TrainingError(f"every prompt is longer than task.max_prompt_tokens={limit}; raise the limit")
+    return [prompts[i] for i in keep], [indices[i] for i in keep]
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimisation phase.
+
+
+def sequence_logprobs(model, mb, temperature: float, autocast: bool, with_entropy: bool, entropy_grad: bool):
+    """Trainer log-probs of the micro-batch's response tokens (and entropy), [B, R]."""
+    device_type = mb.input_ids.device.type
+    ctx = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with ctx:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                       logits_to_keep=mb.response_len + 1, use_cache=False).logits[:, :-1]
+    logprobs, entropy = token_logprobs(logits, mb.response_ids, temperature, with_entropy and entropy_grad)
+    if with_entropy and not entropy_grad:
+        with torch.no_grad():
+            _, entropy = token_logprobs(logits.detach(), mb.response_ids, temperature, True)
+    return logprobs, entropy
+
+
+def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunState, cfg: Config, plan: Plan,
+                     world, device, ref_model=None) -> dict:
+    """One optimizer update on this update's minibatch of the stage data; returns finalised metrics."""
+    groups = update_groups(data.num_groups, plan.prompts_per_update // world.size, state.update_in_stage,
+                           cfg.train.seed, state.stage)
+    G = data.group_size
+    seqs = [g * G + j for g in groups for j in range(G)]
+    micro = [seqs[i:i + plan.micro_batch_size] for i in range(0, len(seqs), plan.micro_batch_size)]
+    batches = [collate(data, m, pad_id=0).to(device) for m in micro]
+    lc = cfg.loss
+    autocast = cfg.train.autocast == "bf16"
+    temperature = cfg.rollout.temperature
+    if lc.aggregation == "token-mean":
+        local_den = sum(b.response_mask.sum() for b in batches).float()
+    else:
+        local_den = torch.tensor(float(len(seqs)))
+    if lc.veto_normalizer == "post_veto":
+        local_den = _post_veto_denominator(policy, batches, cfg, local_den)
+    denominator = dist.sum_over_ranks(local_den.to(device))
+    summed: dict[str, torch.Tensor] = {}
+    for i, mb in enumerate(batches):
+        with dist.no_sync_unless_last(policy, i == len(batches) - 1):
+            logprobs, entropy = sequence_logprobs(policy, mb, temperature, autocast, True, lc.entropy_coef > 0)
+            ref_logprobs = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref_logprobs, _ = sequence_logprobs(ref_model, mb, temperature, autocast, False, False)
+            loss, metrics = policy_loss(
+                logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, denominator=denominator,
+                clip_mode=lc.clip_mode, clip_eps_low=lc.clip_eps_low, clip_eps_high=lc.clip_eps_high,
+                dual_clip_c=lc.dual_clip_c, m2po_budget=lc.m2po_budget, veto_scope=lc.veto_scope,
+                veto_delta=lc.veto_delta, post_veto_normalizer=lc.veto_normalizer == "post_veto",
+                aggregation=lc.aggregation, seq_len_norm=cfg.rollout.max_new_tokens, ref_logprobs=ref_logprobs,
+                kl_beta=lc.kl_beta, entropy=entropy, entropy_coef=lc.entropy_coef)
+            # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
+            (loss * world.size).backward()
+        for key, value in metrics.items():
+            summed[key] = summed.get(key, 0) + value.cpu()
+    summed = dist.sum_metrics(summed)
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    loss_value = float(summed["loss/total"][0])
+    out = finalize_metrics(summed)
+    out["optim/lr"] = scheduler.get_last_lr()[0]
+    out["optim/grad_norm"] = grad_norm
+    if not (math.isfinite(grad_norm) and math.isfinite(loss_value)):
+        optimizer.zero_grad(set_to_none=True)
+        state.bad_update_streak += 1
+        state.num_skipped_updates += 1
+        out["optim/skipped"] = 1.0
+        print(f"[mugrpo] warning: update {state.update} skipped: non-finite loss ({loss_value}) or gradient "
+              f"norm ({grad_norm}); {state.bad_update_streak} in a row")
+        if state.bad_update_streak >= cfg.checkpoint.max_bad_updates:
+            raise TrainingError(f"{state.bad_update_streak} consecutive updates had a non-finite loss or gradient. "
+                                "Lower optim.lr, check the data (see stages/*/rollouts.jsonl), or turn off "
+                                "train.autocast; resume from the last checkpoint with --resume")
+    else:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.bad_update_streak = 0
+        out["optim/skipped"] = 0.0
+    scheduler.step()
+    out["optim/num_skipped_updates"] = state.num_skipped_updates
+    return out
+
+
+@torch.no_grad()
+def _post_veto_denominator(policy, batches, cfg: Config, pre_veto_den: torch.Tensor) -> torch.Tensor:
+    """Kept-token (or kept-sequence) count after the veto, from one extra no-grad forward pass."""
+    from mugrpo.veto import veto_mask
+
+    kept = torch.zeros(())
+    for mb in batches:
+        logprobs, _ = sequence_logprobs(policy, mb, cfg.rollout.temperature, cfg.train.autocast == "bf16",
+                                        False, False)
+        veto = veto_mask(logprobs - mb.behavior_logprobs, mb.advantages, mb.response_mask,
+                         delta=cfg.loss.veto_delta, scope=cfg.loss.veto_scope)
+        keep = mb.response_mask & ~veto.vetoed
+        kept += keep.sum().float().cpu() if cfg.loss.aggregation == "token-mean" else keep.any(1).sum().float().cpu()
+    return kept.clamp(min=1)
+
+
+def format_run_header(cfg: Config, plan: Plan) -> str:
+    return dump_yaml(cfg) + "\n" + format_plan(plan, cfg)
