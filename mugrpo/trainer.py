@@ -27,6 +27,7 @@ from mugrpo.advantages import group_advantages
 from mugrpo.config import Config, dump_yaml
 from mugrpo.data import StageData, collate, update_groups, write_stage_text
 from mugrpo.engines import SamplingConfig, make_engine
+from mugrpo.faults import maybe_die
 from mugrpo.logprobs import token_logprobs
 from mugrpo.losses import finalize_metrics, policy_loss
 from mugrpo.metrics import JsonlLogger, NullLogger
@@ -79,7 +80,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     optimizer, scheduler = build_optimizer(policy, cfg, plan)
     state = RunState()
     if resume:
-        state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world)
+        state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
+        if world.is_main:
+            ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
     task = build_task(cfg.task)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
     logger = JsonlLogger(run_dir / "metrics.jsonl") if world.is_main else NullLogger()
@@ -92,10 +95,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         while state.stage < plan.num_stages:
             stage_dir = run_dir / "stages" / f"stage_{state.stage:03d}"
             data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
-                                                         cfg, plan, world, progress)
-            if state.update_in_stage == 0:
-                ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world,
-                          elapsed_s=time.perf_counter() - t_start)
+                                                         cfg, plan, world, progress, stopper)
             t_opt = time.perf_counter()
             bar = progress.bar(plan.updates_per_stage, f"stage {state.stage} optimise", initial=state.update_in_stage)
             while state.update_in_stage < plan.updates_per_stage:
@@ -110,6 +110,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                     stage_metrics["stage/engine_logprob_mismatch"] = metrics.get("loss/log_ratio_abs_mean")
                 logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
                 progress.update(bar, metrics)
+                maybe_die("update")
                 interrupted = stopper.requested
                 due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
                 if (due or interrupted) and state.update_in_stage < plan.updates_per_stage:
@@ -176,7 +177,7 @@ def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
 
 
 def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, task, tokenizer, cfg: Config,
-                           plan: Plan, world, progress) -> tuple[StageData, dict]:
+                           plan: Plan, world, progress, stopper=None) -> tuple[StageData, dict]:
     """The stage's data: read back if persisted (resume), else sync -> generate -> score -> persist."""
     path = stage_dir / f"rollouts_rank{world.rank}.safetensors"
     if path.is_file():
@@ -196,7 +197,13 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
                               max_new_tokens=r.max_new_tokens,
                               seed=cfg.train.seed * 1_000_003 + state.stage * 101 + world.rank)
     bar = progress.bar(len(prompts) * r.group_size, f"stage {state.stage} generate", unit="seq")
-    completions = engine.generate(prompts, sampling, progress=lambda n: progress.advance(bar, n))
+    def on_batch(n: int) -> None:
+        progress.advance(bar, n)
+        maybe_die("generate")
+        if stopper is not None and stopper.requested:  # the last checkpoint is this stage's start
+            raise ckpt.Interrupted(stage_dir.parent.parent)
+
+    completions = engine.generate(prompts, sampling, progress=on_batch)
     progress.close(bar)
     engine.sleep()
     t_gen = time.perf_counter()
@@ -210,12 +217,13 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
                      rewards.flatten(), advantages.flatten(),
                      torch.tensor([c.finish_reason == "stop" for c in flat]), indices, r.group_size)
     stats = _stage_stats(data, world)
-    stats["stage/zero_var_group_frac"] = dist.mean_over_ranks(zero_var.float().sum(), len(prompts))
-    if cfg.loss.drop_zero_var_groups:
+    if bool(zero_var.all()) and world.is_main:
+        print(f"[mugrpo] warning: stage {state.stage}: every group has zero reward variance, so every advantage "
+              "is 0 and this stage's policy-gradient updates are zero. If this persists, the task is too hard or "
+              "too easy for the model (see stages/*/rollouts.jsonl)")
+    if cfg.loss.drop_zero_var_groups and not bool(zero_var.all()):  # all-zero: keep them (zero gradient)
         data = data.subset([g for g in range(data.num_groups) if not zero_var[g]])
-        if data.num_groups == 0:
-            raise TrainingError(f"stage {state.stage}: every group has zero reward variance, nothing to learn "
-                                "from. Lower task difficulty or set loss.drop_zero_var_groups=false")
+    stats["stage/num_groups_trained"] = data.num_groups
     t_score = time.perf_counter()
     data.save(path)
     if cfg.train.save_stage_text and world.is_main:
@@ -244,7 +252,13 @@ def _stage_stats(data: StageData, world) -> dict:
         "stage/truncated_frac": dist.mean_over_ranks((~data.finished).float().sum(), lengths.numel()),
         "stage/num_sequences": int(rewards.numel()),
         "stage/num_groups": int(rewards.numel()) // data.group_size,
+        "stage/zero_var_group_frac": float(zero_variance_groups(rewards, data.group_size).float().mean()),
     }
+
+
+def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    grouped = rewards.view(-1, group_size)
+    return (grouped == grouped[:, :1]).all(dim=1)
 
 
 def _check_prompt_lengths(prompts, indices, cfg: Config):

@@ -1,0 +1,26 @@
+"""Deliberate process death at named points, for the kill-and-resume tests.
+
+``MUGRPO_DIE_AT="point:n"`` makes the process SIGKILL itself the n-th time (1-based) it passes
+``point``. Points: ``generate`` (after a generation batch), ``update`` (after an optimizer update,
+before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename). Unset in
+normal use; reading one environment variable is the whole cost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_counts: dict[str, int] = {}
+
+
+def maybe_die(point: str) -> None:
+    spec = os.environ.get("MUGRPO_DIE_AT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    _counts[point] = _counts.get(point, 0) + 1
+    if _counts[point] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)
