@@ -196,8 +196,8 @@ class ParallelConfig:
     bfloat16, reduces gradients in float32, and keeps float32 sharded master weights and optimizer
     state. ``none``: everything float32. A single process uses ``train.autocast`` instead."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward instead of storing them (about one
-    extra forward of compute for activation memory of one layer). Applied per decoder layer from
+    """Recompute each decoder layer's activations in backward instead of storing them: only each
+    layer's input is kept, for about one extra forward of compute. Applied per decoder layer from
     outside, with or without FSDP; do not combine with ``model.gradient_checkpointing``."""
     cpu_offload: bool = False
     """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory,

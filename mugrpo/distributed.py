@@ -232,6 +232,9 @@ def prepare_model(policy: torch.nn.Module, cfg, world: World):
         apply_fsdp(policy, cfg.parallel)  # fully_shard moves each shard (and the buffers) to the device
     else:
         policy.to(device)
+        if cfg.parallel.mixed_precision != "none" or cfg.parallel.cpu_offload:
+            print("[mugrpo] note: parallel.mixed_precision and parallel.cpu_offload apply to multi-process "
+                  "(FSDP2) runs; a single process ignores them (use train.autocast=bf16)")
     policy.train()
     return policy, device
 
