@@ -201,6 +201,8 @@ def load_rows(name: str, split: str = "train", subset: Optional[str] = None) -> 
         if path.suffix in _FILE_FORMATS:
             if not path.is_file():
                 raise TaskError(f"dataset file {name!r} does not exist")
+            if path.stat().st_size == 0:
+                raise TaskError(f"dataset file {name!r} is empty")
             ds = datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path), split="train")
         else:
             ds = datasets.load_dataset(name, subset, split=split)

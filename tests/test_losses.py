@@ -1,0 +1,217 @@
+import math
+
+import pytest
+import torch
+
+from mugrpo.losses import aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau, policy_loss
+from mugrpo.veto import veto_mask
+
+LOG_DELTA = math.log(1e-4)  # -9.21
+
+
+def lr(*ratios):
+    return torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float32)
+
+
+def test_standard_clip_hand_cases():
+    # A = +1: ratio 2 -> -min(2, 1.2) = -1.2 (high bound binds); ratio 0.5 -> -min(0.5, 0.8) = -0.5 (free).
+    loss, lo, hi = clipped_surrogate(lr(2.0, 0.5), torch.tensor([1.0]), 0.8, 1.2)
+    torch.testing.assert_close(loss, torch.tensor([[-1.2, -0.5]]))
+    assert hi.tolist() == [[True, False]] and lo.tolist() == [[False, False]]
+    # A = -1: ratio 0.5 -> -min(-0.5, -0.8) = 0.8 (low bound binds); ratio 2 -> -min(-2, -1.2) = 2 (free).
+    loss, lo, hi = clipped_surrogate(lr(0.5, 2.0), torch.tensor([-1.0]), 0.8, 1.2)
+    torch.testing.assert_close(loss, torch.tensor([[0.8, 2.0]]))
+    assert lo.tolist() == [[True, False]] and hi.tolist() == [[False, False]]
+
+
+def test_relaxed_bounds_clip_only_above_5_for_positive_advantage():
+    # [0, 5]: A = +1, ratio 4 -> -4 with gradient d(-rho)/dlog(rho) = -4; ratio 6 -> -5, gradient 0.
+    x = lr(4.0, 6.0).requires_grad_(True)
+    loss, lo, hi = clipped_surrogate(x, torch.tensor([1.0]), 0.0, 5.0)
+    torch.testing.assert_close(loss, torch.tensor([[-4.0, -5.0]]))
+    loss.sum().backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[-4.0, 0.0]]))
+    assert hi.tolist() == [[False, True]]
+    # A = -1: the lower bound 0 never binds: ratio 0.01 -> -min(-0.01, -0.01) = 0.01, gradient rho*1 = 0.01.
+    y = lr(0.01, 50.0).requires_grad_(True)
+    loss, lo, hi = clipped_surrogate(y, torch.tensor([-1.0]), 0.0, 5.0)
+    torch.testing.assert_close(loss, torch.tensor([[0.01, 50.0]]))
+    loss.sum().backward()
+    torch.testing.assert_close(y.grad, torch.tensor([[0.01, 50.0]]))
+    assert not lo.any() and not hi.any()
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # A = -1, ratio 10, c = 3: loss min(10, 3 * |A|) = 3; A = +1 untouched: -min(10, 5) = -5.
+    loss, _, _ = clipped_surrogate(lr(10.0), torch.tensor([-1.0]), 0.0, 5.0, dual_clip_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[3.0]]))
+    loss, _, _ = clipped_surrogate(lr(10.0), torch.tensor([1.0]), 0.0, 5.0, dual_clip_c=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[-5.0]]))
+
+
+ROW = torch.tensor([[0.0, -10.0, 0.0, 0.0]])  # token 1 has rho = e^-10 < 1e-4: the first trigger
+MASK = torch.ones(1, 4, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("scope,expected", [
+    ("none", [0, 0, 0, 0]),
+    ("trigger", [0, 1, 0, 0]),
+    ("suffix", [0, 0, 1, 1]),  # kappa = 1 is kept; every t > 1 goes
+    ("suffix_nontrigger", [0, 0, 1, 1]),
+    ("sequence", [1, 1, 1, 1]),
+])
+def test_veto_scopes_on_negative_advantage(scope, expected):
+    v = veto_mask(ROW, torch.tensor([-1.0]), MASK, delta=1e-4, scope=scope)
+    assert v.vetoed.int().tolist() == [expected]
+    assert v.trigger.int().tolist() == [[0, 1, 0, 0]]
+    assert v.first_trigger.tolist() == [1]
+
+
+def test_suffix_nontrigger_drops_later_triggers_from_the_suffix():
+    # Triggers at 1 and 2: suffix = {2, 3}; minus the triggers -> {3}.
+    row = torch.tensor([[0.0, -10.0, -10.0, 0.0]])
+    v = veto_mask(row, torch.tensor([-1.0]), MASK, delta=1e-4, scope="suffix_nontrigger")
+    assert v.vetoed.int().tolist() == [[0, 0, 0, 1]]
+    v = veto_mask(row, torch.tensor([-1.0]), MASK, delta=1e-4, scope="suffix")
+    assert v.vetoed.int().tolist() == [[0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("scope", ["trigger", "suffix", "suffix_nontrigger", "sequence"])
+def test_veto_never_touches_positive_or_zero_advantage(scope):
+    rows = ROW.repeat(2, 1)
+    v = veto_mask(rows, torch.tensor([1.0, 0.0]), MASK.repeat(2, 1), delta=1e-4, scope=scope)
+    assert not v.vetoed.any() and not v.trigger.any()
+    assert v.first_trigger.tolist() == [-1, -1]
+
+
+def test_veto_respects_mask_and_threshold():
+    # rho = e^-9 = 1.2e-4 is above delta = 1e-4: no trigger. A padded token (mask 0) never triggers.
+    row = torch.tensor([[-9.0, 0.0, -10.0]])
+    mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
+    v = veto_mask(row, torch.tensor([-1.0]), mask, delta=1e-4, scope="sequence")
+    assert not v.trigger.any() and not v.vetoed.any()
+    # With delta = 2e-4 (log = -8.52) token 0 triggers; the sequence scope drops real tokens only.
+    v = veto_mask(row, torch.tensor([-1.0]), mask, delta=2e-4, scope="sequence")
+    assert v.vetoed.int().tolist() == [[1, 1, 0]]
+
+
+def _batch():
+    # Two sequences of 4 tokens: seq 0 has A = -1 and a trigger at t = 1; seq 1 has A = +1.
+    logprobs = torch.tensor([[-1.0, -12.0, -1.0, -1.0], [-1.0, -1.0, -1.0, -1.0]], requires_grad=True)
+    behavior = torch.tensor([[-1.0, -1.0, -1.5, -1.0], [-1.0, -1.0, -1.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    return logprobs, behavior, torch.tensor([-1.0, 1.0]), mask
+
+
+def test_vetoed_tokens_get_exactly_zero_gradient_and_behavior_gets_none():
+    logprobs, behavior, adv, mask = _batch()
+    loss, metrics = policy_loss(logprobs, behavior, adv, mask, denominator=7.0, veto_scope="suffix")
+    loss.backward()
+    g = logprobs.grad
+    # Seq 0, suffix after kappa = 1: tokens 2 and 3 are vetoed -> exactly 0.
+    assert g[0, 2] == 0 and g[0, 3] == 0
+    # Token 0 of seq 0: rho = 1, A = -1, loss rho*1/7 -> d/dlogp = rho/7 = 1/7. Kappa itself is kept:
+    # rho = e^-11, gradient e^-11 / 7 > 0.
+    torch.testing.assert_close(g[0, 0], torch.tensor(1 / 7))
+    assert g[0, 1] > 0
+    # Seq 1 (A = +1): tokens 0-2 have rho = 1 -> gradient -1/7 each; token 3 is padding -> 0.
+    torch.testing.assert_close(g[1], torch.tensor([-1 / 7, -1 / 7, -1 / 7, 0.0]))
+    assert behavior.grad is None
+    m = finalize_metrics(metrics)
+    assert m["loss/veto_token_frac"] == pytest.approx(2 / 7)
+    assert m["loss/veto_seq_frac"] == pytest.approx(1 / 2)
+    assert m["loss/trigger_frac"] == pytest.approx(1 / 7)
+    assert m["loss/first_trigger_pos"] == pytest.approx(1.0)
+
+
+def test_pre_and_post_veto_normaliser():
+    # 7 real tokens, 2 vetoed. Seq 1 alone (3 tokens, rho = 1, A = +1) contributes -3 to the sum.
+    # Seq 0 kept tokens: t0 (rho 1, A -1) -> +1, t1 (rho e^-11) -> +e^-11.
+    logprobs, behavior, adv, mask = _batch()
+    total = -3 + 1 + math.exp(-11)
+    pre, _ = policy_loss(logprobs, behavior, adv, mask, denominator=7.0)
+    post, _ = policy_loss(logprobs, behavior, adv, mask, denominator=5.0, post_veto_normalizer=True)
+    assert pre.item() == pytest.approx(total / 7)
+    assert post.item() == pytest.approx(total / 5)
+
+
+def test_aggregation_modes_hand_computed():
+    tok = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]])
+    keep = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    counts = keep.sum(1)
+    # token-mean: (1 + 2 + 3) / 3 tokens = 2.
+    assert aggregate(tok, keep, counts, mode="token-mean", denominator=3.0, seq_len_norm=4).item() == 2.0
+    # seq-mean-token-mean: (3/2 + 3/1) / 2 sequences = 2.25.
+    assert aggregate(tok, keep, counts, mode="seq-mean-token-mean", denominator=2.0, seq_len_norm=4).item() == 2.25
+    # seq-mean-token-sum-norm (L = 4): (3/4 + 3/4) / 2 = 0.75.
+    assert aggregate(tok, keep, counts, mode="seq-mean-token-sum-norm", denominator=2.0,
+                     seq_len_norm=4).item() == 0.75
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batch_split_equals_one_batch(aggregation):
+    torch.manual_seed(0)
+    B, T = 6, 5
+    logprobs = (torch.randn(B, T) * 0.3 - 1).requires_grad_(True)
+    behavior = logprobs.detach() + torch.randn(B, T) * 0.5
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    mask = torch.rand(B, T) > 0.2
+    mask[:, 0] = True
+    den = mask.sum().float() if aggregation == "token-mean" else float(B)
+    kw = dict(denominator=den, aggregation=aggregation, seq_len_norm=T, veto_scope="suffix", veto_delta=0.3)
+    full, _ = policy_loss(logprobs, behavior, adv, mask, **kw)
+    (g_full,) = torch.autograd.grad(full, logprobs)
+    parts = [policy_loss(logprobs[s], behavior[s], adv[s], mask[s], **kw)[0] for s in (slice(0, 2), slice(2, 6))]
+    (g_split,) = torch.autograd.grad(sum(parts), logprobs)
+    torch.testing.assert_close(sum(parts), full)
+    torch.testing.assert_close(g_split, g_full)
+
+
+def test_m2po_tau_hand_computed():
+    # Harmful tokens (A > 0, rho > 1): |log rho| = 0.1, 0.3; mean square 0.05 > budget 0.04.
+    # k = 1 smallest kept: tau^2 = (2 * 0.04 - 0.01) / 1 = 0.07, between 0.1^2 and 0.3^2 -> tau = 0.264575.
+    # The token with log rho = -0.5 (A > 0, rho < 1) is not harmful and is ignored.
+    log_ratio = torch.tensor([[0.1, 0.3, -0.5]])
+    tau = m2po_tau(log_ratio, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), 0.04)
+    assert tau.item() == pytest.approx(math.sqrt(0.07), rel=1e-5)
+    # Within budget (0.1^2 = 0.01 <= 0.04): no bound.
+    tau = m2po_tau(torch.tensor([[0.1, -0.5]]), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), 0.04)
+    assert math.isinf(tau.item())
+    # A < 0 with rho < 1 is harmful: |log rho| = 0.5, 0.5 -> mean square 0.25; tau^2 = 2*0.04/2 -> tau = 0.2.
+    tau = m2po_tau(torch.tensor([[-0.5, -0.5]]), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool), 0.04)
+    assert tau.item() == pytest.approx(0.2, rel=1e-5)
+
+
+def test_m2po_loss_clips_harmful_tokens_at_tau():
+    # tau = 0.2 from the case above: rho = e^-0.5 < e^-0.2 with A = -1 -> loss clip(rho)*1 = e^-0.2, grad 0.
+    x = torch.tensor([[-0.5, -0.5]], requires_grad=True)
+    loss, m = policy_loss(x, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
+                          denominator=2.0, clip_mode="m2po", m2po_budget=0.04, veto_scope="none")
+    assert loss.item() == pytest.approx(math.exp(-0.2), rel=1e-5)
+    loss.backward()
+    assert x.grad.abs().max() == 0
+    assert finalize_metrics(m)["loss/clip_frac_low"] == 1.0
+
+
+def test_k3_and_metric_finalisation():
+    # k3(x) = e^x - x - 1: k3(0) = 0, k3(log 2) = 2 - 0.693147 - 1 = 0.306853.
+    torch.testing.assert_close(k3(torch.tensor([0.0, math.log(2.0)])), torch.tensor([0.0, 0.3068528]))
+    m = finalize_metrics({"loss/ratio_mean": torch.tensor([4.0, 2.0]), "loss/ratio_sq_mean": torch.tensor([10.0, 2.0]),
+                          "loss/policy": torch.tensor([0.5, 0.0]), "loss/ratio_mean_neg": torch.tensor([0.0, 0.0])})
+    # ratios {1, 3}: mean 2, mean square 5 -> ESS/n = 4 / 5.
+    assert m["loss/ess_frac"] == pytest.approx(0.8)
+    assert m["loss/policy"] == 0.5 and math.isnan(m["loss/ratio_mean_neg"])
+
+
+def test_kl_and_entropy_terms():
+    # logprobs = ref: k3 = 0 -> no change; entropy bonus subtracts coef * mean entropy.
+    logprobs = torch.zeros(1, 2, requires_grad=True)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    base, _ = policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), mask, denominator=2.0)
+    with_terms, m = policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), mask, denominator=2.0,
+                                ref_logprobs=torch.zeros(1, 2), kl_beta=0.5,
+                                entropy=torch.tensor([[2.0, 4.0]]), entropy_coef=0.1)
+    # base = -(1 + 1)/2 = -1; entropy term -0.1 * (2 + 4)/2 = -0.3.
+    assert base.item() == pytest.approx(-1.0)
+    assert with_terms.item() == pytest.approx(-1.3)
+    assert finalize_metrics(m)["loss/entropy"] == pytest.approx(3.0)

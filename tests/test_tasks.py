@@ -1,0 +1,107 @@
+import json
+import math
+
+import pytest
+
+from mugrpo.config import TaskConfig
+from mugrpo.tasks import Item, TaskError, build_task, extract_boxed, prompt_ids, render_messages
+
+
+def test_extract_boxed():
+    assert extract_boxed("so 3 + 4 = 7. The final answer is \\boxed{7}.") == "7"
+    assert extract_boxed("\\boxed{1} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"  # last, nested braces
+    assert extract_boxed("no answer here") is None
+    assert extract_boxed("\\boxed{5} and an unclosed \\boxed{6") == "5"
+
+
+def test_reasoning_gym_task_scores_with_its_own_checker():
+    task = build_task(TaskConfig(size=20, eval_size=5))
+    item = task.items[0]
+    rewards, stats = task.score_all(
+        [f"It is \\boxed{{{item.answer}}}", f"\\boxed{{{int(item.answer) + 1}}}", item.answer], [item] * 3)
+    assert rewards.tolist() == [1.0, 0.0, 0.0]  # correct, wrong, unboxed
+    assert stats.num_unparsable == 1 and stats.num_errors == 0
+    assert len(task.eval_items) == 5
+    assert "+" in item.question or "-" in item.question
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_math_task_from_local_file_with_column_mapping(tmp_path):
+    rows = [{"problem": f"Expand {i}", "solution": "(x+1)^2"} for i in range(6)] + [{"problem": "bad", "solution": None}]
+    cfg = TaskConfig(kind="math", name=_write_jsonl(tmp_path / "d.jsonl", rows), question_key="problem",
+                     answer_key="solution", eval_size=2)
+    task = build_task(cfg)
+    assert len(task.items) == 4 and len(task.eval_items) == 2  # the malformed row is skipped
+    item = task.items[0]
+    rewards, _ = task.score_all(["\\boxed{(x+1)^2}", "\\boxed{x^2+2x+1}", "\\boxed{x^2}", "(x+1)^2"], [item] * 4)
+    assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0]  # math-verify: equivalent forms match; unboxed scores 0
+
+
+@pytest.mark.parametrize("rows,kw,needle", [
+    ([{"q": "a", "answer": "1"}], {}, "no column 'question'"),
+    ([], {}, "empty"),
+])
+def test_math_task_errors(tmp_path, rows, kw, needle):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(TaskError, match=needle):
+        build_task(TaskConfig(kind="math", name=str(path), **kw))
+
+
+def test_missing_dataset_file_and_unknown_generator():
+    with pytest.raises(TaskError, match="does not exist"):
+        build_task(TaskConfig(kind="math", name="/nonexistent/data.jsonl"))
+    with pytest.raises(TaskError, match="no_such_task"):
+        build_task(TaskConfig(name="no_such_task"))
+
+
+@pytest.mark.parametrize("fn,counter", [
+    ("raises", "num_errors"), ("returns_none", "num_invalid"), ("returns_nan", "num_invalid"),
+    ("returns_text", "num_invalid"), ("hangs", "num_timeouts"),
+])
+def test_faulty_reward_functions_score_zero_and_are_counted(fn, counter):
+    task = build_task(TaskConfig(size=4, eval_size=1, reward_fn=f"toy_rewards:{fn}", reward_timeout_s=0.3))
+    rewards, stats = task.score_all(["\\boxed{1}", "x"], task.items[:2])
+    assert rewards.tolist() == [0.0, 0.0]
+    assert getattr(stats, counter) == 2
+    if fn == "raises":
+        assert "RuntimeError: boom" in stats.first_error
+
+
+def test_custom_reward_function_gets_completion_answer_and_row():
+    task = build_task(TaskConfig(size=4, eval_size=1, reward_fn="toy_rewards:frac_ones"))
+    rewards, _ = task.score_all(["1111", "1x1x"], task.items[:2])
+    assert rewards.tolist() == [1.0, 0.5]
+
+
+def test_bad_reward_fn_spec():
+    with pytest.raises(TaskError, match="cannot import module"):
+        build_task(TaskConfig(size=4, reward_fn="no_such_module:f"))
+    with pytest.raises(TaskError, match="no function 'nope'"):
+        build_task(TaskConfig(size=4, reward_fn="toy_rewards:nope"))
+
+
+def test_prompt_rendering_with_one_shot_and_instruction(tiny_model_dir):
+    from mugrpo.models import load_tokenizer
+
+    cfg = TaskConfig()
+    messages = render_messages("What is 2 + 2?", cfg)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert messages[-1]["content"] == "What is 2 + 2?\n\nPut your final answer within \\boxed{}."
+    tok = load_tokenizer(tiny_model_dir)
+    text = tok.decode(prompt_ids(tok, "What is 2 + 2?", cfg))
+    assert text.startswith("u:What is 3 + 4?") and text.endswith("a:")
+    assert "The final answer is \\boxed{7}." in text
+
+
+def test_task_sampling_is_seeded_and_covers_the_pool():
+    import torch
+
+    task = build_task(TaskConfig(size=10, eval_size=1))
+    a = task.sample(25, torch.Generator().manual_seed(3))
+    b = task.sample(25, torch.Generator().manual_seed(3))
+    assert a == b and sorted(a[:10]) == list(range(10))  # first 10 draws are a permutation

@@ -1,0 +1,28 @@
+"""Reward functions for tests (referenced as task.reward_fn=toy_rewards:NAME)."""
+import time
+
+
+def frac_ones(completion: str, answer: str, item: dict) -> float:
+    """Fraction of response characters that are '1': dense, learnable by a tiny model in seconds."""
+    return sum(c == "1" for c in completion) / len(completion) if completion else 0.0
+
+
+def raises(completion, answer, item):
+    raise RuntimeError("boom")
+
+
+def hangs(completion, answer, item):
+    time.sleep(60)
+    return 1.0
+
+
+def returns_none(completion, answer, item):
+    return None
+
+
+def returns_nan(completion, answer, item):
+    return float("nan")
+
+
+def returns_text(completion, answer, item):
+    return "1.0"
