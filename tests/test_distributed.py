@@ -1,8 +1,8 @@
 """Multi-process training: 2 gloo processes under torchrun against one process, on CPU.
 
 The torchrun tests (marker ``distributed``) launch ``python -m torch.distributed.run`` in a
-subprocess on a ~0.1M-parameter Llama built in code, with a reward that counts "1" characters
-(``tests/ones_reward.py``). The first tests are plain functions of the stage-data split.
+subprocess on the ~0.1M-parameter Llama built in code, with the reward that counts "1" characters
+(``toy_rewards:frac_ones``). The first tests are plain functions of the stage-data split.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_OVERRIDES
 from safetensors.torch import load_file
 
 from mugrpo import distributed as dist
@@ -24,11 +25,8 @@ from mugrpo.data import StageData, update_groups
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
-COMMON = [
-    "task.reward_fn=ones_reward:reward", "task.few_shot=[]", "task.instruction=", "task.size=256",
-    "task.eval_size=0", "rollout.max_new_tokens=8", "rollout.group_size=4", "schedule.prompts_per_update=8",
-    "optim.lr=3e-3", "train.progress=false",
-]
+COMMON = [*TINY_OVERRIDES, "task.size=256", "task.eval_size=0", "rollout.group_size=4",
+          "schedule.prompts_per_update=8", "optim.lr=3e-3"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,10 +81,8 @@ def test_a_stage_is_loaded_only_once_every_shard_is_written(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from mugrpo.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+def tiny_model(tiny_model_dir) -> Path:
+    return Path(tiny_model_dir)
 
 
 def _mugrpo(nproc: int, args: list[str], timeout_s: float = 240) -> None:
