@@ -76,6 +76,37 @@ def test_a_stage_is_loaded_only_once_every_shard_is_written(tmp_path):
         dist.load_stage_shards(tmp_path, dist.World(rank=0, size=3))
 
 
+def test_optimizer_state_by_name_round_trips_and_saving_creates_no_state():
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(model, optimizer):
+        model(torch.ones(5, 3)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = make()
+    # torch.distributed.checkpoint's get_optimizer_state_dict would run a zero-lr step() here to
+    # create the state, moving Adam's step count; saving must leave a fresh optimizer untouched.
+    assert dist.full_optimizer_state(model, optimizer, keep=True)["state"] == {} and not optimizer.state
+    step(model, optimizer)
+    step(model, optimizer)
+    saved = dist.full_optimizer_state(model, optimizer, keep=True)
+    assert set(saved["state"]) == {"0.weight", "0.bias", "1.weight", "1.bias"}
+    assert float(saved["state"]["0.weight"]["step"]) == 2
+    assert dist.full_optimizer_state(model, optimizer, keep=False) is None
+
+    other, other_optimizer = make()
+    other.load_state_dict(model.state_dict())
+    dist.load_full_optimizer_state(other, other_optimizer, saved)
+    step(model, optimizer)
+    step(other, other_optimizer)
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # torchrun.
 
