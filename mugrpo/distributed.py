@@ -373,9 +373,11 @@ def full_optimizer_state(model: torch.nn.Module, optimizer, keep: bool) -> dict 
     for name, param in named:
         entry = {}
         for key, value in sorted(optimizer.state.get(param, {}).items()):
-            value = _full(value) if isinstance(value, torch.Tensor) else value
-            entry[key] = value.detach().cpu().clone() if keep and isinstance(value, torch.Tensor) else value
-        if entry:
+            if isinstance(value, torch.Tensor):
+                value = _full(value)  # a collective: every rank gathers, only ``keep`` ranks hold on
+                value = value.detach().cpu().clone() if keep else None
+            entry[key] = value
+        if entry and keep:
             state[name] = entry
     if not keep:
         return None
