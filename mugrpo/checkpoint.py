@@ -4,14 +4,22 @@ Layout of a run directory::
 
     config.yaml                    resolved config (written once, at start)
     metrics.jsonl                  one line per update and per stage
-    stages/stage_KKK/              rollouts_rank{R}.safetensors (+ rollouts.jsonl, readable)
-    checkpoints/ckpt_UUUUUU/       model.safetensors, optimizer.pt, trainer_state.json
+    stages/stage_KKK/              rollouts_rank{R}.safetensors (shard R, written by rank R),
+                                   shards.json (the stage is complete), rollouts[_rank{R}].jsonl
+    checkpoints/ckpt_UUUUUU/       model.safetensors, optimizer.pt, scheduler.pt, rng_rank{R}.pt,
+                                   trainer_state.json
     final_model/                   HF folder: AutoModelForCausalLM.from_pretrained(...) loads it
 
 A checkpoint is written into a temporary folder, fsynced, then renamed: a folder named ``ckpt_*``
 is always complete. The newest ``keep_last`` are kept. It holds the model, optimizer and LR
 schedule, every RNG state, and the position (stage, update, update within the stage); the stage's
 data is on disk already, so resuming mid-stage never regenerates.
+
+Model and optimizer are stored whole (optimizer state keyed by parameter name), whatever the number
+of processes: under FSDP2 they are gathered one tensor at a time and only rank 0 keeps them, and on
+load rank 0 reads them and scatters each tensor into the shards (:mod:`mugrpo.distributed`). So a
+run may resume on a different number of processes (its stage data permitting, see
+``distributed.load_stage_shards``).
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from mugrpo import distributed as dist
 from mugrpo.config import Config, dump_yaml
@@ -36,7 +45,9 @@ from mugrpo.faults import maybe_die
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
                     "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
-                    "train.save_stage_text", "train.save_final_model")
+                    "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
+                    "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
+                    "parallel.timeout_s")
 
 
 class RunDirError(RuntimeError):
@@ -131,8 +142,9 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.cpu().contiguous() for name, t in dist.full_state_items(model)}
+def _full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Full weights on CPU; a collective under FSDP2. Ranks without ``keep`` only take part."""
+    return {name: t.cpu().contiguous() for name, t in dist.full_state_items(model, keep) if keep}
 
 
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
@@ -140,21 +152,19 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
     root = Path(run_dir) / "checkpoints"
     name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
     final = root / name
-    model_sd = _full_state_dict(policy)  # a collective under FSDP2: every rank takes part
-    optim_sd = optimizer.state_dict() if not dist.is_sharded(policy) else _sharded_optim_state(policy, optimizer)
-    if world.size > 1:
-        optim_path_name = f"optimizer_rank{world.rank}.pt"
-    else:
-        optim_path_name = "optimizer.pt"
+    # Collectives under FSDP2: every rank takes part, rank 0 keeps the gathered tensors.
+    model_sd = _full_state_dict(policy, keep=world.is_main)
+    optim_sd = dist.full_optimizer_state(policy, optimizer, keep=world.is_main)
     tmp = root / f".tmp-{name}"
     if world.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
-    torch.save({"optimizer": optim_sd, "rng": _rng_state()}, tmp / optim_path_name)
+    torch.save({"rng": _rng_state()}, tmp / f"rng_rank{world.rank}.pt")
     if world.is_main:
         save_file(model_sd, str(tmp / "model.safetensors"))
+        torch.save({"optimizer": optim_sd}, tmp / "optimizer.pt")
         torch.save({"scheduler": scheduler.state_dict()}, tmp / "scheduler.pt")
         trainer_state = {**dataclasses.asdict(state), "elapsed_s": elapsed_s, "world_size": world.size}
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -172,11 +182,6 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
-
-
-def _sharded_optim_state(policy, optimizer) -> dict:
-    # Under FSDP2 each rank's optimizer holds only its shards (DTensors); save them per rank.
-    return optimizer.state_dict()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -203,16 +208,18 @@ def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
                   "(stage data already on disk is reused)")
         return None
     saved = json.loads((path / "trainer_state.json").read_text())
-    if saved.get("world_size", 1) != world.size:
-        raise RunDirError(f"--resume {run_dir}: the run used {saved.get('world_size', 1)} process(es), this launch "
-                          f"has {world.size}; relaunch with the same number of processes")
-    model_sd = load_file(str(path / "model.safetensors"))
-    _load_full_state_dict(policy, model_sd)
-    optim_name = f"optimizer_rank{world.rank}.pt" if world.size > 1 else "optimizer.pt"
-    blob = torch.load(path / optim_name, weights_only=False)
-    optimizer.load_state_dict(blob["optimizer"])
+    # Rank 0 reads model and optimizer and scatters them into the shards, one tensor at a time.
+    if world.is_main:
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            dist.load_full_params(policy, f.get_tensor)
+        optim_sd = torch.load(path / "optimizer.pt", weights_only=False, mmap=True)["optimizer"]
+    else:
+        dist.load_full_params(policy, None)
+        optim_sd = None
+    dist.load_full_optimizer_state(policy, optimizer, optim_sd)
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False)["scheduler"])
-    _set_rng_state(blob["rng"])
+    rng_path = path / f"rng_rank{world.rank}.pt"  # absent when resuming on more processes than saved
+    _set_rng_state(torch.load(rng_path if rng_path.is_file() else path / "rng_rank0.pt", weights_only=False)["rng"])
     fields = {f.name for f in dataclasses.fields(RunState)}
     state = RunState(**{k: v for k, v in saved.items() if k in fields})
     if world.is_main:
@@ -221,22 +228,9 @@ def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
     return state
 
 
-@torch.no_grad()
-def _load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
-    for name, param in model.named_parameters():
-        value = state_dict[name]
-        if hasattr(param, "full_tensor"):  # FSDP2 DTensor: copy this rank's shard
-            from torch.distributed.tensor import distribute_tensor
-
-            value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
-            param.to_local().copy_(value.to_local())
-        else:
-            param.copy_(value.to(param.device, param.dtype))
-
-
 def export_hf(policy, tokenizer, target: Path, world) -> None:
     """Save the policy as one HF folder (full weights gathered under FSDP2), atomically."""
-    state_dict = _full_state_dict(policy)
+    state_dict = _full_state_dict(policy, keep=world.is_main)
     if not world.is_main:
         dist.barrier()
         return

@@ -184,6 +184,41 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How a multi-process run (``torchrun --nproc_per_node N -m mugrpo train``) shards the policy.
+
+    Applied from outside by :mod:`mugrpo.distributed` (FSDP2 ``fully_shard`` per decoder layer, then
+    the root); the model code knows nothing of it. A plain single-process run ignores every field
+    except ``activation_checkpointing``.
+    """
+
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """FSDP2 mixed precision: ``bf16`` all-gathers parameters and computes forward/backward in
+    bfloat16, reduces gradients in float32, and keeps float32 sharded master weights and optimizer
+    state. ``none``: everything float32. A single process uses ``train.autocast`` instead."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of storing them: only each
+    layer's input is kept, for about one extra forward of compute. Applied per decoder layer from
+    outside, with or without FSDP; do not combine with ``model.gradient_checkpointing``."""
+    cpu_offload: bool = False
+    """FSDP2 CPU offload: sharded parameters, gradients and optimizer state live in host memory,
+    parameters are copied to the GPU per layer for forward/backward, and the optimizer step runs
+    on the CPU. Moves the sharded 16 bytes/param (float32 weights, gradients, Adam moments) / N
+    ranks off the GPU, at a large speed cost."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered parameters after its forward and gather them again in backward
+    (ZeRO-3). ``false`` keeps them from forward to backward: one all-gather less per layer and
+    micro-batch, at the cost of holding the whole unsharded model during each micro-batch."""
+    defer_grad_sync: bool = False
+    """Accumulate unsharded gradients locally over an update's micro-batches and reduce-scatter once
+    at the last (less communication, but a full unsharded gradient copy lives on every rank).
+    ``false``: reduce-scatter after every micro-batch, so gradient memory stays sharded."""
+    timeout_s: float = 3600.0
+    """How long a collective waits for the slowest rank before the run fails. Ranks meet after
+    generation, so this must exceed the straggler gap of a stage's generation."""
+
+
+@dataclass
 class CheckpointConfig:
     every_updates: int = 0
     """Also checkpoint every N updates inside a stage (0: only at stage boundaries)."""
@@ -203,6 +238,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
@@ -393,6 +429,11 @@ def validate(cfg: Config) -> None:
     _check(cfg.checkpoint.every_updates >= 0, "checkpoint.every_updates", ">= 0", cfg.checkpoint.every_updates)
     _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", ">= 1", cfg.checkpoint.keep_last)
     _check(cfg.checkpoint.max_bad_updates >= 1, "checkpoint.max_bad_updates", ">= 1", cfg.checkpoint.max_bad_updates)
+    _check(cfg.parallel.timeout_s > 0, "parallel.timeout_s", "> 0 seconds", cfg.parallel.timeout_s)
+    if cfg.parallel.activation_checkpointing and cfg.model.gradient_checkpointing:
+        raise ConfigError("parallel.activation_checkpointing and model.gradient_checkpointing are both true; they "
+                          "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
+                          "and set model.gradient_checkpointing=false")
     # Schedule consistency is the planner's job; call it here so errors surface at start-up.
     from mugrpo.plan import make_plan
 

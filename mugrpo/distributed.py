@@ -1,21 +1,44 @@
-"""Everything multi-process lives here: process-group set-up, collectives, and applying FSDP2.
+"""Everything multi-process lives here: process groups, collectives, the stage-data split, FSDP2.
 
-Launched by ``torchrun`` (``WORLD_SIZE`` > 1) the trainer runs data-parallel: each rank generates
-its share of whole prompt groups with its own engine and trains on its share of every update's
-minibatch; the policy is sharded with FSDP2 (``fully_shard``), applied here to a model that knows
-nothing about it. Launched plainly, every function is the single-process identity.
+Launched by ``torchrun`` (``WORLD_SIZE`` > 1) the trainer runs data-parallel; launched plainly,
+every function here is the single-process identity.
+
+- Generation: rank r generates shard r of the stage, the prompts ``indices[r::W]`` with whole
+  groups, so advantages are exactly the single-process ones. Each rank persists its shard
+  (``rollouts_rank{r}.safetensors``); rank 0 then writes ``shards.json``, which marks the stage
+  complete.
+- Optimisation: update u's minibatch is, for every shard s, the groups
+  ``update_groups(n_s, P / S, u, ...)`` of that shard (P prompts per update, S shards). A rank
+  processes the shards it owns (s % W == rank), so the union over ranks is a fixed function of
+  the stage data and of u, whoever processes it: N ranks make the same update as one process
+  that reads all S shards (``tests/test_distributed.py`` checks it through a resume of a
+  2-process run in one process). The token-mean denominator is summed over ranks by the trainer.
+- The policy is sharded with FSDP2 (``fully_shard`` per decoder layer, then the root), applied
+  here to a model that knows nothing about it. Gradients are averaged over ranks by FSDP, so the
+  trainer scales each rank's share of the global loss by W.
+- Weights leave the shards one full parameter at a time (``full_state_items``): engine sync and
+  checkpoints never hold more than one gathered parameter beyond what the receiver keeps.
+- Checkpoints hold world-size-independent state (full parameters, full optimizer state keyed by
+  parameter name); loading scatters each tensor from rank 0 into the shards.
 
 Nothing here knows about the loss, tasks or engines.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
+
+from mugrpo.data import StageData, atomic_write_text, update_groups
 
 
 @dataclass(frozen=True)
@@ -29,18 +52,28 @@ class World:
         return self.rank == 0
 
 
-def init() -> World:
-    """Join the torchrun process group if launched by torchrun; else a world of one."""
+def init(timeout_s: float = 3600.0) -> World:
+    """Join the torchrun process group if launched by torchrun; else a world of one.
+
+    On CUDA the group has NCCL for GPU tensors and gloo for CPU tensors (CPU-offloaded shards,
+    small metric reductions); on CPU it is gloo alone.
+    """
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1:
         return World()
-    if not tdist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        tdist.init_process_group(backend=backend)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+    if not tdist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        backend = "cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo"
+        tdist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        atexit.register(_shutdown)
     return World(rank=tdist.get_rank(), size=tdist.get_world_size(), local_rank=local_rank)
+
+
+def _shutdown() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def _active() -> bool:
@@ -48,7 +81,8 @@ def _active() -> bool:
 
 
 def _device() -> torch.device:
-    if _active() and tdist.get_backend() == "nccl":
+    """Where small collectives run: CPU whenever the group has gloo."""
+    if _active() and "gloo" not in str(tdist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -99,6 +133,90 @@ def sum_metrics(summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: flat[i] for i, k in enumerate(keys)}
 
 
+# ---------------------------------------------------------------------------------------------
+# The stage dataset, split across ranks.
+
+SHARDS_FILE = "shards.json"
+
+
+@dataclass
+class ShardedStage(StageData):
+    """The concatenation of the stage shards this rank owns, group-major, shard by shard."""
+
+    shard_sizes: list[int] = field(default_factory=list)
+    """Groups in each owned shard, in order."""
+
+
+def generation_share(indices: list, world: World) -> list:
+    """This rank's share of the stage's sampled prompts: whole groups, ``indices[rank::W]``."""
+    return indices[world.rank::world.size]
+
+
+def shard_path(stage_dir: Path, shard: int) -> Path:
+    return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
+
+
+def save_stage_shard(data: StageData, stage_dir: Path, world: World) -> None:
+    """Persist this rank's shard; once every rank has, rank 0 marks the stage complete."""
+    data.save(shard_path(stage_dir, world.rank))
+    sizes = gather_cat(torch.tensor([data.num_groups])).tolist()
+    if world.is_main:
+        atomic_write_text(Path(stage_dir) / SHARDS_FILE, json.dumps({"num_shards": world.size, "num_groups": sizes}))
+    barrier()
+
+
+def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
+    """The shards of a completed stage that this rank owns, or None if the stage must be generated.
+
+    Rank 0 decides and broadcasts, so every rank takes the same branch (a stage whose generation
+    died half-way is regenerated by all ranks, never loaded by some and generated by others).
+    """
+    stage_dir = Path(stage_dir)
+    num_shards = None
+    if world.is_main:
+        marker = stage_dir / SHARDS_FILE
+        if marker.is_file():
+            num_shards = json.loads(marker.read_text())["num_shards"]
+    num_shards = broadcast_object(num_shards)
+    if num_shards is None:
+        return None
+    if num_shards % world.size:
+        raise ValueError(f"{stage_dir} was generated by {num_shards} process(es) and cannot be split over "
+                         f"{world.size}; resume with a number of processes that divides {num_shards}")
+    parts = [StageData.load(shard_path(stage_dir, s)) for s in range(world.rank, num_shards, world.size)]
+    if len(parts) == 1:
+        return parts[0]
+    return ShardedStage(
+        prompts=[p for d in parts for p in d.prompts], responses=[r for d in parts for r in d.responses],
+        behavior_logprobs=[b for d in parts for b in d.behavior_logprobs],
+        rewards=torch.cat([d.rewards for d in parts]), advantages=torch.cat([d.advantages for d in parts]),
+        finished=torch.cat([d.finished for d in parts]), item_indices=[i for d in parts for i in d.item_indices],
+        group_size=parts[0].group_size, shard_sizes=[d.num_groups for d in parts])
+
+
+def rank_update_groups(data: StageData, prompts_per_rank: int, update_in_stage: int, seed: int, stage: int
+                       ) -> list[int]:
+    """Indices into ``data`` of this rank's groups for update ``update_in_stage``.
+
+    Each owned shard contributes ``prompts_per_rank / (shards owned)`` = P / S groups, drawn by
+    :func:`mugrpo.data.update_groups` over that shard alone; the draw depends only on the shard's
+    size, the update and the seeds, not on which rank holds the shard.
+    """
+    sizes = data.shard_sizes if isinstance(data, ShardedStage) else [data.num_groups]
+    per_shard, rest = divmod(prompts_per_rank, len(sizes))
+    if rest:
+        raise ValueError(f"{prompts_per_rank} prompts per rank cannot be split evenly over {len(sizes)} shards")
+    groups, offset = [], 0
+    for n in sizes:
+        groups += [offset + g for g in update_groups(n, per_shard, update_in_stage, seed, stage)]
+        offset += n
+    return groups
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2, applied from outside.
+
+
 def train_device(world: World) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", world.local_rank)
@@ -106,24 +224,68 @@ def train_device(world: World) -> torch.device:
 
 
 def prepare_model(policy: torch.nn.Module, cfg, world: World):
-    """Move the policy to its device and, with several ranks, shard it with FSDP2."""
+    """Activation checkpointing if asked; with several ranks shard with FSDP2, else move to the device."""
     device = train_device(world)
-    policy.to(device)
+    if cfg.parallel.activation_checkpointing:
+        apply_activation_checkpointing(policy)
     if world.size > 1:
-        apply_fsdp(policy, cfg)
+        apply_fsdp(policy, cfg.parallel)  # fully_shard moves each shard (and the buffers) to the device
+    else:
+        policy.to(device)
+        if cfg.parallel.mixed_precision != "none" or cfg.parallel.cpu_offload:
+            print("[mugrpo] note: parallel.mixed_precision and parallel.cpu_offload apply to multi-process "
+                  "(FSDP2) runs; a single process ignores them (use train.autocast=bf16)")
     policy.train()
     return policy, device
 
 
-def apply_fsdp(model: torch.nn.Module, cfg) -> torch.nn.Module:
-    """``fully_shard`` each decoder layer, then the root (the standard FSDP2 recipe)."""
-    from torch.distributed.fsdp import fully_shard
-
-    layers = _decoder_layers(model)
-    for layer in layers:
-        fully_shard(layer)
-    fully_shard(model)
+def prepare_frozen(model: torch.nn.Module, cfg, world: World) -> torch.nn.Module:
+    """A no-grad model (the KL reference): sharded like the policy, regathered at every forward."""
+    model.requires_grad_(False).eval()
+    if world.size > 1:
+        apply_fsdp(model, cfg.parallel, reshard_root=True)
+    else:
+        model.to(train_device(world))
     return model
+
+
+def apply_fsdp(model: torch.nn.Module, pc, reshard_root: bool = False) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root (the standard FSDP2 recipe).
+
+    ``pc`` is the ``parallel`` config section. The root keeps its parameters (embeddings, final
+    norm, LM head) gathered from forward to backward unless ``reshard_root``: backward needs them
+    first, so resharding them would only add an all-gather.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy()
+    if pc.mixed_precision == "bf16":
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if pc.cpu_offload else OffloadPolicy()
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=pc.reshard_after_forward)
+    fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=True if reshard_root else None)
+    model._mugrpo_defer_grad_sync = pc.defer_grad_sync  # read by no_sync_unless_last
+    return model
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute every decoder layer in backward (non-reentrant ``torch.utils.checkpoint``).
+
+    The layer's ``forward`` is wrapped in place rather than the layer in a wrapper module, so
+    parameter names (and with them engine sync, checkpoints and the HF export) are unchanged.
+    Under FSDP2 the layer's pre-backward hook gathers its parameters before the recompute runs.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in _decoder_layers(model):
+        inner = layer.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -139,27 +301,146 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return any(hasattr(p, "full_tensor") for p in model.parameters())
+    return any(_is_dtensor(p) for p in model.parameters())
 
 
-def full_state_items(model: torch.nn.Module):
-    """(HF name, full tensor) for every parameter, one at a time: bounded peak memory under FSDP2."""
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded) tensor; a collective for a DTensor.
+
+    A CPU-offloaded shard is first copied to its mesh's device, so NCCL does the gathering.
+    """
+    if not _is_dtensor(t):
+        return t
+    mesh_type = t.device_mesh.device_type
+    if t.device.type != mesh_type:
+        t = t.to(torch.device(mesh_type, torch.cuda.current_device()) if mesh_type == "cuda" else mesh_type)
+    return t.full_tensor()
+
+
+def full_state_items(model: torch.nn.Module, keep: bool = True):
+    """(HF name, full tensor) for every parameter, one at a time: bounded peak memory under FSDP2.
+
+    Every rank must consume the whole iterator (each item is a collective). With ``keep=False``
+    the gathered tensor is dropped at once and None is yielded (ranks that only take part).
+    """
     for name, param in model.named_parameters():
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield name, tensor
+        tensor = _full(param.detach())
+        yield name, tensor if keep else None
 
 
 @contextlib.contextmanager
 def no_sync_unless_last(model: torch.nn.Module, last: bool):
-    """Skip FSDP2's gradient reduce-scatter on all but the last micro-batch of an update."""
-    setter = getattr(model, "set_requires_gradient_sync", None)
-    if setter is None or not is_sharded(model):
+    """With ``parallel.defer_grad_sync``, skip FSDP2's reduce-scatter on all but the last micro-batch.
+
+    Otherwise every micro-batch's gradients are reduce-scattered at once (the sum over micro-batches
+    is then accumulated in the sharded gradients), so no rank ever holds a full gradient copy.
+    """
+    if not (is_sharded(model) and getattr(model, "_mugrpo_defer_grad_sync", False)):
         yield
         return
-    setter(last)
+    model.set_requires_gradient_sync(last)
     try:
         yield
     finally:
-        setter(True)
+        model.set_requires_gradient_sync(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# World-size-independent checkpoint state: gather on save, scatter from rank 0 on load.
+
+
+def _param_names(model: torch.nn.Module, optimizer) -> list[tuple[str, torch.nn.Parameter]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer, keep: bool) -> dict | None:
+    """The optimizer's state with every tensor gathered whole and keyed by parameter name.
+
+    The same on any number of ranks, so a run may resume on another number of processes. Built
+    directly from ``optimizer.state`` (``torch.distributed.checkpoint.state_dict`` would run a
+    zero-lr ``step()`` on a fresh optimizer to create its state, which moves Adam's step count).
+    Only ranks with ``keep`` hold the result (CPU tensors); the others return None.
+    """
+    named = _param_names(model, optimizer)
+    state = {}
+    for name, param in named:
+        entry = {}
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if isinstance(value, torch.Tensor):
+                value = _full(value)  # a collective: every rank gathers, only ``keep`` ranks hold on
+                value = value.detach().cpu().clone() if keep else None
+            entry[key] = value
+        if entry and keep:
+            state[name] = entry
+    if not keep:
+        return None
+    names = {id(p): n for n, p in named}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"format": "full-by-name", "state": state, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_optimizer_state(model: torch.nn.Module, optimizer, saved: dict | None) -> None:
+    """Inverse of :func:`full_optimizer_state`; ``saved`` is needed on rank 0 only."""
+    named = _param_names(model, optimizer)
+    skeleton = None
+    if saved is not None:
+        skeleton = {"param_groups": saved["param_groups"],
+                    "state": {n: {k: isinstance(v, torch.Tensor) and v.dim() > 0 for k, v in e.items()}
+                              for n, e in saved["state"].items()}}
+    skeleton = broadcast_object(skeleton)
+    scalars = broadcast_object(None if saved is None else {
+        n: {k: v for k, v in e.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+        for n, e in saved["state"].items()})
+    index = {n: i for i, (n, _) in enumerate(named)}
+    state = {}
+    for name, param in named:
+        if name not in skeleton["state"]:
+            continue
+        entry = dict(scalars[name])
+        for key, is_tensor in skeleton["state"][name].items():
+            if is_tensor:
+                entry[key] = _scatter_like(param, None if saved is None else saved["state"][name][key])
+        state[index[name]] = entry
+    groups = [{**g, "params": [index[n] for n in g["params"]]} for g in skeleton["param_groups"]]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+@torch.no_grad()
+def load_full_params(model: torch.nn.Module, get_tensor) -> None:
+    """Copy full weights into the (possibly sharded) parameters; ``get_tensor(name)`` on rank 0 only.
+
+    One parameter at a time: rank 0 reads it and scatters the shards (``distribute_tensor``).
+    """
+    for name, param in model.named_parameters():
+        value = _scatter_like(param, get_tensor(name) if get_tensor is not None else None)
+        if _is_dtensor(param):
+            param.to_local().copy_(value.to_local())
+        else:
+            param.copy_(value)
+
+
+def _scatter_like(param: torch.Tensor, full: torch.Tensor | None) -> torch.Tensor:
+    """``full`` (given on rank 0) laid out like ``param``: this rank's shard if sharded, else whole."""
+    if not _is_dtensor(param):
+        if full is None:
+            raise ValueError("a full tensor is needed when the parameter is not sharded")
+        return full.to(param.device, param.dtype)
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = param.device_mesh
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    if full is None:
+        full = torch.empty(param.shape, dtype=param.dtype, device=device)
+    if tuple(full.shape) != tuple(param.shape):
+        raise ValueError(f"checkpoint tensor has shape {tuple(full.shape)}, the model expects {tuple(param.shape)}")
+    shard = distribute_tensor(full.to(device, param.dtype), mesh, param.placements)
+    return shard.to(param.device) if shard.device != param.device else shard

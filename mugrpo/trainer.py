@@ -25,7 +25,7 @@ from mugrpo import checkpoint as ckpt
 from mugrpo import distributed as dist
 from mugrpo.advantages import group_advantages
 from mugrpo.config import Config, dump_yaml
-from mugrpo.data import StageData, collate, update_groups, write_stage_text
+from mugrpo.data import StageData, collate, write_stage_text
 from mugrpo.engines import SamplingConfig, make_engine
 from mugrpo.faults import maybe_die
 from mugrpo.logprobs import token_logprobs
@@ -63,7 +63,7 @@ class RunState:
 def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     """Run (or resume) a training run in ``run_dir``; returns the final model folder."""
     run_dir = Path(run_dir)
-    world = dist.init()
+    world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
     ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
     _configure_torch(cfg)
@@ -76,7 +76,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         policy.gradient_checkpointing_enable()
     policy, device = dist.prepare_model(policy, cfg, world)
     if ref_model is not None:
-        ref_model.to(device).requires_grad_(False)
+        ref_model = dist.prepare_frozen(ref_model, cfg, world)
     optimizer, scheduler = build_optimizer(policy, cfg, plan)
     state = RunState()
     if resume:
@@ -179,9 +179,8 @@ def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
 def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, task, tokenizer, cfg: Config,
                            plan: Plan, world, progress, stopper=None) -> tuple[StageData, dict]:
     """The stage's data: read back if persisted (resume), else sync -> generate -> score -> persist."""
-    path = stage_dir / f"rollouts_rank{world.rank}.safetensors"
-    if path.is_file():
-        data = StageData.load(path)
+    data = dist.load_stage_shards(stage_dir, world)
+    if data is not None:
         return data, {"stage/resumed": 1.0, **_stage_stats(data, world)}
     t0 = time.perf_counter()
     engine.wake()
@@ -189,7 +188,7 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
     t_sync = time.perf_counter()
     gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + state.stage)
     indices = task.sample(plan.prompts_per_stage, gen)
-    indices = indices[world.rank::world.size]  # whole groups per rank
+    indices = dist.generation_share(indices, world)  # whole groups per rank
     prompts = [prompt_ids(tokenizer, task.items[i].question, cfg.task) for i in indices]
     prompts, indices = _check_prompt_lengths(prompts, indices, cfg)
     r = cfg.rollout
@@ -225,20 +224,23 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         data = data.subset([g for g in range(data.num_groups) if not zero_var[g]])
     stats["stage/num_groups_trained"] = data.num_groups
     t_score = time.perf_counter()
-    data.save(path)
-    if cfg.train.save_stage_text and world.is_main:
-        write_stage_text(stage_dir / "rollouts.jsonl", data, tokenizer, task.items)
+    dist.save_stage_shard(data, stage_dir, world)
+    if cfg.train.save_stage_text:
+        name = "rollouts.jsonl" if world.size == 1 else f"rollouts_rank{world.rank}.jsonl"
+        write_stage_text(stage_dir / name, data, tokenizer, task.items)
     if score_stats.first_error and world.is_main:
         print(f"[mugrpo] warning: the reward function raised {score_stats.num_errors} time(s) in stage "
               f"{state.stage} (scored 0); first traceback:\n{score_stats.first_error}")
     num_new = sum(len(c.token_ids) for c in flat)
+    counts = dist.sum_over_ranks(torch.tensor([
+        score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
+        score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts)], dtype=torch.float64)).tolist()
     stats.update({
         "perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
         "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9),
-        "reward/error_count": score_stats.num_errors, "reward/timeout_count": score_stats.num_timeouts,
-        "reward/invalid_count": score_stats.num_invalid,
-        "reward/unparsable_frac": score_stats.num_unparsable / max(score_stats.num_scored, 1),
-        "stage/num_prompts_skipped": plan.prompts_per_stage // world.size - len(prompts),
+        "reward/error_count": int(counts[0]), "reward/timeout_count": int(counts[1]),
+        "reward/invalid_count": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
+        "stage/num_prompts_skipped": int(counts[5]),
     })
     return data, stats
 
@@ -299,8 +301,8 @@ def sequence_logprobs(model, mb, temperature: float, autocast: bool, with_entrop
 def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunState, cfg: Config, plan: Plan,
                      world, device, ref_model=None) -> dict:
     """One optimizer update on this update's minibatch of the stage data; returns finalised metrics."""
-    groups = update_groups(data.num_groups, plan.prompts_per_update // world.size, state.update_in_stage,
-                           cfg.train.seed, state.stage)
+    groups = dist.rank_update_groups(data, plan.prompts_per_update // world.size, state.update_in_stage,
+                                     cfg.train.seed, state.stage)
     G = data.group_size
     seqs = [g * G + j for g in groups for j in range(G)]
     micro = [seqs[i:i + plan.micro_batch_size] for i in range(0, len(seqs), plan.micro_batch_size)]
@@ -314,7 +316,7 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
         local_den = torch.tensor(float(len(seqs)))
     if lc.veto_normalizer == "post_veto":
         local_den = _post_veto_denominator(policy, batches, cfg, local_den)
-    denominator = dist.sum_over_ranks(local_den.to(device))
+    denominator = dist.sum_over_ranks(local_den.to(device)).clamp(min=1)
     summed: dict[str, torch.Tensor] = {}
     for i, mb in enumerate(batches):
         with dist.no_sync_unless_last(policy, i == len(batches) - 1):
@@ -375,7 +377,7 @@ def _post_veto_denominator(policy, batches, cfg: Config, pre_veto_den: torch.Ten
                          delta=cfg.loss.veto_delta, scope=cfg.loss.veto_scope)
         keep = mb.response_mask & ~veto.vetoed
         kept += keep.sum().float().cpu() if cfg.loss.aggregation == "token-mean" else keep.any(1).sum().float().cpu()
-    return kept.clamp(min=1)
+    return kept  # clamped to >= 1 once summed over ranks
 
 
 def format_run_header(cfg: Config, plan: Plan) -> str:
