@@ -53,7 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Verbs implemented in their own modules: name -> (module with add_arguments(p) and run(args), help).
-_EXTRA_VERBS: dict[str, tuple[str, str]] = {}
+_EXTRA_VERBS: dict[str, tuple[str, str]] = {
+    "eval": ("mugrpo.eval_cli", "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
+    "report": ("mugrpo.report", "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
+}
 
 
 def _resolve(args) -> "object":
