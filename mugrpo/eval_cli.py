@@ -68,16 +68,16 @@ def run(args) -> int:
 
             engine.load_weights(load_file(source["weights"]).items())
         for es in eval_sets:
-            prompts = render_prompts(tokenizer, es.items, es.task_cfg)
-            total = len(es.items) * (int(settings.greedy) + settings.n)
+            prompts, items = render_prompts(tokenizer, es.items, es.task_cfg)
+            total = len(items) * (int(settings.greedy) + settings.n)
             t0 = time.perf_counter()
-            gen = generate_and_score(engine, tokenizer, es.task, es.items, prompts, settings,
+            gen = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
                                      progress=_bar(total, es.name), keep_text=bool(args.samples))
             metrics = summarize_generations(gen, settings)
             metrics["eval_s"] = time.perf_counter() - t0
             metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
             results[es.name] = metrics
-            samples += [{"task": es.name, **r, "answer": es.items[r["item"]].answer} for r in gen.records]
+            samples += [{"task": es.name, **r, "answer": items[r["item"]].answer} for r in gen.records]
     finally:
         engine.close()
     overall = macro_average([{k: v for k, v in m.items() if _is_score(k)} for m in results.values()])

@@ -62,14 +62,25 @@ class Generations:
     generate_s: float = 0.0
 
 
-def render_prompts(tokenizer, items: list[Item], task_cfg) -> list[list[int]]:
-    """Prompt token ids; a prompt over ``task.max_prompt_tokens`` is an error (eval never truncates)."""
+def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[int]], list[Item]]:
+    """Prompt token ids and the items they belong to, with ``task.prompt_too_long`` applied to
+    prompts over ``task.max_prompt_tokens``: ``error`` raises, ``skip`` drops the item (with a
+    warning: the metrics are then over fewer items), ``truncate`` keeps the prompt's tail."""
     prompts = [prompt_ids(tokenizer, item.question, task_cfg) for item in items]
-    too_long = [len(p) for p in prompts if len(p) > task_cfg.max_prompt_tokens]
-    if too_long:
-        raise TaskError(f"{len(too_long)} evaluation prompt(s) are longer than task.max_prompt_tokens="
-                        f"{task_cfg.max_prompt_tokens} (longest {max(too_long)} tokens); raise task.max_prompt_tokens")
-    return prompts
+    limit = task_cfg.max_prompt_tokens
+    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
+    if not too_long:
+        return prompts, list(items)
+    if task_cfg.prompt_too_long == "error":
+        raise TaskError(f"{len(too_long)} evaluation prompt(s) are longer than task.max_prompt_tokens={limit} "
+                        f"(longest {max(len(prompts[i]) for i in too_long)} tokens); raise the limit, or set "
+                        "task.prompt_too_long=skip or truncate")
+    if task_cfg.prompt_too_long == "truncate":
+        return [p[-limit:] for p in prompts], list(items)
+    print(f"[mugrpo] warning: skipping {len(too_long)} of {len(items)} evaluation items whose prompt is longer "
+          f"than task.max_prompt_tokens={limit}", file=sys.stderr)
+    keep = [i for i in range(len(items)) if len(prompts[i]) <= limit]
+    return [prompts[i] for i in keep], [items[i] for i in keep]
 
 
 def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts: list[list[int]],
@@ -152,8 +163,7 @@ class TrainingEvaluator:
                 print(f"[mugrpo] warning: task {task.name!r} has no held-out items (task.eval_size); "
                       "evaluation during training is off", file=sys.stderr)
             self.enabled = False
-        self.items = items[world.rank::world.size]
-        self.prompts = render_prompts(tokenizer, self.items, cfg.task) if self.enabled else []
+        self.prompts, self.items = render_prompts(tokenizer, items[world.rank::world.size], cfg.task)
         self._stage_s = 0.0
         self.in_loop_s = 0.0
         """Seconds of this stage's evaluations run from inside its optimisation loop."""
