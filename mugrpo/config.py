@@ -208,7 +208,7 @@ class EvalConfig:
     """Also evaluate every N global updates (0: off). To compare presets with different mu at the
     same x-positions, set this (e.g. total_updates / 4) and ``every_stages=0``."""
     at_start: bool = True
-    """Evaluate the initial policy before the first update (fresh runs only)."""
+    """Evaluate the initial policy before the first update (also when resuming at update 0)."""
     greedy: bool = True
     """Greedy decoding (temperature 0), one response per item: ``eval/greedy_acc``."""
     k: int = 0
