@@ -47,7 +47,8 @@ RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates
                     "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
                     "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
                     "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
-                    "parallel.timeout_s")
+                    "parallel.timeout_s", "eval.", "log.")
+"""Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
 
 
 class RunDirError(RuntimeError):
@@ -96,7 +97,10 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
         return out
 
     a, b = flat(saved), flat(current)
-    diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and k not in RESUME_SAFE_KEYS]
+    def safe(key: str) -> bool:
+        return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUME_SAFE_KEYS)
+
+    diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not safe(k)]
     if diff:
         detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff)
         raise RunDirError(f"--resume with a config that differs from the run's own ({detail}). A resumed run "

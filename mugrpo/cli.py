@@ -54,7 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Verbs implemented in their own modules: name -> (module with add_arguments(p) and run(args), help).
-_EXTRA_VERBS: dict[str, tuple[str, str]] = {}
+_EXTRA_VERBS: dict[str, tuple[str, str]] = {
+    "eval": ("mugrpo.eval_cli", "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
+    "report": ("mugrpo.report", "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
+}
 
 
 def _resolve(args) -> "object":
@@ -110,7 +113,9 @@ def _train_verb(args) -> int:
         cfg = from_dict(saved)
         for text in args.overrides:  # applied on top of the saved config, not the defaults
             set_value(cfg, *parse_override(text))
-        check_resume_compatible(saved, to_dict(cfg))
+        # Compare against the saved config with today's defaults filled in, so runs saved before a new
+        # config section existed still resume.
+        check_resume_compatible(to_dict(from_dict(saved)), to_dict(cfg))
     else:
         cfg = _resolve(args)
         run_dir = Path(args.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -228,6 +228,48 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on the task's held-out split (``Task.eval_items``) during training.
+
+    Each evaluation pushes the current weights to the rollout engine, generates, scores, and logs
+    a ``kind: eval`` record with ``eval/*`` keys; its wall-clock is added to the stage record's
+    ``perf/eval_s`` (``mugrpo report`` subtracts it from the training clock).
+    """
+
+    num_items: int = 64
+    """Held-out items per evaluation (the first N of ``task.eval_items``); 0 turns evaluation off."""
+    every_stages: int = 1
+    """Evaluate at the end of every N-th stage and of the last one; 0: never at stage ends."""
+    every_updates: int = 0
+    """Also evaluate every N global updates (0: off). To compare presets with different mu at the
+    same x-positions, set this (e.g. total_updates / 4) and ``every_stages=0``."""
+    at_start: bool = True
+    """Evaluate the initial policy before the first update (also when resuming at update 0)."""
+    greedy: bool = True
+    """Greedy decoding (temperature 0), one response per item: ``eval/greedy_acc``."""
+    k: int = 0
+    """Sampled responses per item at ``eval.temperature`` (0: none): ``eval/avg_at_{k}``,
+    ``eval/pass_at_1`` and ``eval/pass_at_{k}`` (unbiased estimator, Chen et al. 2021)."""
+    temperature: float = 1.0
+    """Sampling temperature of the ``k`` sampled responses."""
+    max_new_tokens: Optional[int] = None
+    """Response length limit; null: ``rollout.max_new_tokens``."""
+
+
+@dataclass
+class LogConfig:
+    loggers: list = field(default_factory=list)
+    """Metric sinks besides ``metrics.jsonl`` (always written): any of ``tensorboard`` (event files
+    in RUN_DIR/tensorboard; pip install tensorboard) and ``wandb`` (pip install wandb)."""
+    wandb_project: str = "mugrpo"
+    """W&B project the run is filed under."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline`` writes RUN_DIR/wandb without network (``wandb sync`` uploads it later)."""
+    run_name: Optional[str] = None
+    """Name shown by TensorBoard / W&B; null: the run directory's name."""
+
+
+@dataclass
 class Config:
     preset: str = "mu-grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -239,6 +281,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
 
 # ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
@@ -434,10 +478,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.activation_checkpointing and model.gradient_checkpointing are both true; they "
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
+    _validate_eval_and_log(cfg)
     # Schedule consistency is the planner's job; call it here so errors surface at start-up.
     from mugrpo.plan import make_plan
 
     make_plan(cfg)
+
+
+LOGGERS = ("tensorboard", "wandb")
+
+
+def _validate_eval_and_log(cfg: Config) -> None:
+    e = cfg.eval
+    for key in ("num_items", "every_stages", "every_updates", "k"):
+        _check(getattr(e, key) >= 0, f"eval.{key}", "an integer >= 0 (0 = off)", getattr(e, key))
+    _check(e.temperature > 0, "eval.temperature", "> 0 (greedy decoding is eval.greedy)", e.temperature)
+    if e.max_new_tokens is not None:
+        _check(e.max_new_tokens >= 1, "eval.max_new_tokens", "an integer >= 1 or null", e.max_new_tokens)
+    if e.num_items and not (e.greedy or e.k):
+        raise ConfigError("eval.greedy=false and eval.k=0 leave evaluation nothing to generate; "
+                          "set eval.k >= 1, eval.greedy=true, or eval.num_items=0 to turn evaluation off")
+    for name in cfg.log.loggers:
+        _check(name in LOGGERS, "log.loggers", f"a list drawn from {list(LOGGERS)}", cfg.log.loggers)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,4 +1,5 @@
-"""Console progress: tqdm bars for generation and optimisation, and a one-line stage summary.
+"""Console progress: tqdm bars for generation, optimisation and evaluation, one-line stage and
+evaluation summaries.
 
 Disabled (``enabled=False``) on ranks other than 0 and with ``train.progress=false``; the loop
 calls it unconditionally either way.
@@ -51,7 +52,19 @@ class Progress:
         parts = [f"reward {_fmt('{:.3f}', m.get('reward/mean'))}",
                  f"len {_fmt('{:.1f}', m.get('stage/response_len_mean'))}",
                  f"zero-var {_fmt('{:.2f}', m.get('stage/zero_var_group_frac'))}"]
-        for key in ("perf/sync_s", "perf/generate_s", "perf/score_s", "perf/optimize_s"):
+        for key in ("perf/sync_s", "perf/generate_s", "perf/score_s", "perf/optimize_s", "perf/eval_s"):
             if m.get(key) is not None:
                 parts.append(f"{key.split('/')[1][:-2]} {m[key]:.1f}s")
+        if m.get("perf/generate_tok_s") is not None:
+            parts.append(f"gen {m['perf/generate_tok_s']:.0f} tok/s")
         print(f"[mugrpo] stage {stage} done: " + " | ".join(parts), file=sys.stderr, flush=True)
+
+    def eval_summary(self, update: int, m: dict) -> None:
+        """One line per evaluation: the ``eval/*`` accuracies, response length, time."""
+        if not self.enabled:
+            return
+        scores = [f"{key.split('/')[1]} {_fmt('{:.3f}', m[key])}" for key in sorted(m)
+                  if key.startswith(("eval/greedy", "eval/avg_at", "eval/pass_at"))]
+        parts = scores + [f"len {_fmt('{:.1f}', m.get('eval/response_len_mean'))}",
+                          f"{m.get('eval/num_items', 0)} items", f"{m.get('perf/eval_s', 0.0):.1f}s"]
+        print(f"[mugrpo] eval @ update {update}: " + " | ".join(parts), file=sys.stderr, flush=True)

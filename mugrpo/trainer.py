@@ -28,9 +28,10 @@ from mugrpo.config import Config, dump_yaml
 from mugrpo.data import StageData, collate, write_stage_text
 from mugrpo.engines import SamplingConfig, make_engine
 from mugrpo.faults import maybe_die
+from mugrpo.evaluate import TrainingEvaluator
 from mugrpo.logprobs import token_logprobs
 from mugrpo.losses import finalize_metrics, policy_loss
-from mugrpo.metrics import JsonlLogger, NullLogger
+from mugrpo.metrics import NullLogger, make_logger
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
@@ -85,13 +86,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
     task = build_task(cfg.task)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
-    logger = JsonlLogger(run_dir / "metrics.jsonl") if world.is_main else NullLogger()
+    logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
     progress = Progress(enabled=cfg.train.progress and world.is_main)
     if world.is_main:
         print(format_plan(plan, cfg))
     t_start = time.perf_counter() - state.elapsed_s
+    evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
     stopper = ckpt.GracefulStop()
     try:
+        evaluator.maybe_run(state)  # the initial policy (eval.at_start)
         while state.stage < plan.num_stages:
             stage_dir = run_dir / "stages" / f"stage_{state.stage:03d}"
             data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
@@ -111,6 +114,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                 logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
                 progress.update(bar, metrics)
                 maybe_die("update")
+                evaluator.maybe_run(state)
                 interrupted = stopper.requested
                 due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
                 if (due or interrupted) and state.update_in_stage < plan.updates_per_stage:
@@ -121,7 +125,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             progress.close(bar)
             if stopper.requested and state.update_in_stage < plan.updates_per_stage:
                 raise ckpt.Interrupted(run_dir)
-            stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt
+            stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt - evaluator.in_loop_s
+            stage_metrics["perf/eval_s"] = evaluator.finish_stage(state)
             logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=plan.updates_per_stage))
             if world.is_main:
                 progress.stage_summary(state.stage, stage_metrics)

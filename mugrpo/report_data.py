@@ -1,0 +1,203 @@
+"""Reading run directories into the series and tables that ``mugrpo report`` draws and prints.
+
+A run's ``metrics.jsonl`` holds three kinds of records (written by :mod:`mugrpo.trainer` and
+:mod:`mugrpo.evaluate`): ``update`` (one per optimizer update: ``loss/*``, ``optim/*``),
+``stage`` (one per stage: ``reward/*`` of the stage's rollouts, ``perf/*_s`` phase times) and
+``eval`` (``eval/*``, ``perf/eval_s``). ``time_s`` is wall-clock since the run started,
+continued across resumes.
+
+Definitions used by the report (each one is a choice, stated once here):
+- **training clock** = ``time_s`` minus the evaluation seconds spent up to that moment, so runs
+  that evaluate more often (e.g. GRPO with many short stages) are not charged for it.
+- A stage's **reward** measures its behaviour policy: the one after ``update - update_in_stage``
+  updates. It is placed on the clock when the stage's data was ready, i.e. when its first
+  update began (``time_s - perf/update_s`` of that update record).
+- **Time to reach a level**: the training clock of the first point whose value is >= the level.
+- A resumed run may log an update (or stage, or eval) twice; the last record of each wins.
+
+No plotting and no markdown here (that is :mod:`mugrpo.report`); nothing here writes files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from mugrpo.metrics import read_metrics
+
+PHASES = ("sync", "generate", "score", "optimize", "eval", "checkpoint")
+"""Stage-time categories: ``perf/{phase}_s`` keys of stage records (absent keys count as 0)."""
+
+DRIFT_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_frac", "loss/veto_seq_frac",
+              "loss/clip_frac_low", "loss/clip_frac_high", "loss/kl_behavior", "loss/ess_frac")
+"""Per-update diagnostics plotted against the update index within the stage (staleness)."""
+
+
+class ReportError(ValueError):
+    """A run directory the report cannot use; the message says why."""
+
+
+@dataclass
+class Run:
+    label: str
+    path: Path
+    config: dict
+    updates: list[dict] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+
+    @property
+    def preset(self) -> str:
+        return str(self.config.get("preset", "?"))
+
+    @property
+    def updates_per_stage(self) -> Optional[int]:
+        if self.stages:
+            return int(self.stages[0]["update_in_stage"])
+        return (self.config.get("schedule") or {}).get("updates_per_stage")
+
+
+def load_run(path: str | Path, label: Optional[str] = None) -> Run:
+    path = Path(path)
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ReportError(f"{path}: no metrics.jsonl, so it is not a mugrpo run directory (or it has not started)")
+    config_file = path / "config.yaml"
+    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    records = dedupe(read_metrics(metrics))
+    run = Run(label or path.resolve().name, path, config or {})
+    for r in records:
+        {"update": run.updates, "stage": run.stages, "eval": run.evals}.get(r.get("kind"), []).append(r)
+    return run
+
+
+def dedupe(records: list[dict]) -> list[dict]:
+    """Keep the last record per (kind, position), ordered by position (a resume re-logs some)."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        position = r.get("stage") if r.get("kind") == "stage" else r.get("update")
+        latest[(r.get("kind"), position)] = r
+    return sorted(latest.values(), key=lambda r: (float(r.get("time_s") or 0.0)))
+
+
+def value(record: dict, key: str) -> float:
+    """The record's value for ``key`` as a float; NaN when absent or null."""
+    v = record.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan
+
+
+def eval_seconds_before(run: Run, t: float) -> float:
+    """Evaluation seconds that finished at or before wall-clock ``t``."""
+    return sum(value(e, "perf/eval_s") for e in run.evals if e["time_s"] <= t + 1e-9 and e.get("perf/eval_s"))
+
+
+def train_clock(run: Run, t: float) -> float:
+    return t - eval_seconds_before(run, t)
+
+
+@dataclass
+class Series:
+    """One curve: y against the global update index and against the training clock (seconds)."""
+
+    updates: list[float]
+    clock_s: list[float]
+    values: list[float]
+
+
+def reward_series(run: Run, key: str = "reward/mean") -> Series:
+    """Stage rewards at the stage's behaviour policy (see the module docstring for placement)."""
+    first_update = {}
+    for u in run.updates:
+        first_update.setdefault(u["stage"], u)
+    xs, ts, ys = [], [], []
+    for s in run.stages:
+        u = first_update.get(s["stage"])
+        if u is not None:
+            t_ready = u["time_s"] - value(u, "perf/update_s")
+        else:  # no update record (e.g. a truncated log): fall back to the stage's own phase times
+            t_ready = s["time_s"] - sum(value(s, f"perf/{p}_s") for p in ("optimize", "eval") if s.get(f"perf/{p}_s"))
+        xs.append(float(s["update"] - s["update_in_stage"]))
+        ts.append(train_clock(run, t_ready))
+        ys.append(value(s, key))
+    return Series(xs, ts, ys)
+
+
+def eval_series(run: Run, key: str) -> Series:
+    return Series([float(e["update"]) for e in run.evals], [train_clock(run, e["time_s"]) for e in run.evals],
+                  [value(e, key) for e in run.evals])
+
+
+def eval_keys(runs: list[Run]) -> list[str]:
+    """Accuracy-like ``eval/*`` keys present in any run (greedy first)."""
+    keys = {k for run in runs for e in run.evals for k in e
+            if k.startswith(("eval/greedy", "eval/avg_at", "eval/pass_at"))}
+    return sorted(keys, key=lambda k: (not k.startswith("eval/greedy"), k))
+
+
+def first_reach(series: Series, level: float) -> Optional[tuple[float, float]]:
+    """(training clock s, update) of the first point >= ``level``, or None if never reached."""
+    for t, x, y in zip(series.clock_s, series.updates, series.values):
+        if not math.isnan(y) and y >= level:
+            return t, x
+    return None
+
+
+def default_levels(series: list[Series], fractions=(0.25, 0.5, 0.75, 1.0)) -> list[float]:
+    """Levels every run reaches: from the highest starting value to the lowest best value."""
+    starts = [next((y for y in s.values if not math.isnan(y)), math.nan) for s in series]
+    bests = [max((y for y in s.values if not math.isnan(y)), default=math.nan) for s in series]
+    if not series or any(math.isnan(v) for v in starts + bests):
+        return []
+    lo, hi = max(starts), min(bests)
+    if hi <= lo:
+        return [hi]
+    return [lo + f * (hi - lo) for f in fractions]
+
+
+def stage_times(run: Run) -> list[dict[str, float]]:
+    """Per stage: seconds per phase (``PHASES``), ``other`` (the rest of the stage's wall-clock:
+    e.g. checkpoints when not timed, logging) and ``total``."""
+    out, previous = [], 0.0
+    for s in run.stages:
+        total = s["time_s"] - previous
+        previous = s["time_s"]
+        row = {p: value(s, f"perf/{p}_s") if s.get(f"perf/{p}_s") is not None else 0.0 for p in PHASES}
+        row["other"] = max(0.0, total - sum(row.values()))
+        row["total"] = total
+        out.append(row)
+    return out
+
+
+def drift_by_stage(run: Run, key: str) -> dict[int, tuple[list[int], list[float]]]:
+    """stage -> (update index within the stage, value) for a per-update diagnostic."""
+    out: dict[int, tuple[list[int], list[float]]] = {}
+    for u in run.updates:
+        xs, ys = out.setdefault(int(u["stage"]), ([], []))
+        xs.append(int(u["update_in_stage"]))
+        ys.append(value(u, key))
+    return out
+
+
+def summary(run: Run, eval_key: Optional[str]) -> dict:
+    """The headline numbers of one run (NaN where the run has no such record)."""
+    rewards = reward_series(run)
+    evals = eval_series(run, eval_key) if eval_key else Series([], [], [])
+    last_time = max((r["time_s"] for r in run.updates + run.stages + run.evals), default=math.nan)
+    finite = [y for y in rewards.values if not math.isnan(y)]
+    finite_eval = [y for y in evals.values if not math.isnan(y)]
+    return {
+        "label": run.label, "path": str(run.path), "preset": run.preset,
+        "updates_per_stage": run.updates_per_stage, "num_stages": len(run.stages),
+        "num_updates": max((u["update"] for u in run.updates), default=0),
+        "wall_clock_s": last_time, "eval_s": eval_seconds_before(run, last_time) if run.evals else 0.0,
+        "train_clock_s": train_clock(run, last_time) if not math.isnan(last_time) else math.nan,
+        "reward_first": finite[0] if finite else math.nan, "reward_last": finite[-1] if finite else math.nan,
+        "reward_best": max(finite) if finite else math.nan,
+        "eval_first": finite_eval[0] if finite_eval else math.nan,
+        "eval_last": finite_eval[-1] if finite_eval else math.nan,
+        "eval_best": max(finite_eval) if finite_eval else math.nan,
+    }

@@ -1,0 +1,30 @@
+"""The eval.* and log.* config sections: defaults and validation messages that name the key."""
+
+import pytest
+
+from mugrpo.config import ConfigError, field_docs, load_config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("eval.k=-1", "eval.k=-1 is out of range"),
+    ("eval.every_updates=-2", "eval.every_updates"),
+    ("eval.temperature=0", "eval.temperature"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens"),
+    ("eval.num_item=3", "Did you mean 'eval.num_items'"),
+    ("log.wandb_mode=cloud", "log.wandb_mode"),
+])
+def test_bad_eval_and_log_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[override])
+
+
+def test_nothing_to_generate_is_rejected_unless_evaluation_is_off():
+    with pytest.raises(ConfigError, match="eval.greedy=false and eval.k=0"):
+        load_config(overrides=["eval.greedy=false"])
+    cfg = load_config(overrides=["eval.greedy=false", "eval.num_items=0"])
+    assert cfg.eval.num_items == 0
+
+
+def test_every_eval_and_log_field_is_documented():
+    undocumented = [key for key, _, doc in field_docs() if key.startswith(("eval.", "log.")) and not doc]
+    assert undocumented == []
