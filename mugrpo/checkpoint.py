@@ -63,6 +63,13 @@ class Interrupted(Exception):
         self.run_dir = run_dir
 
 
+def check_run_dir_free(run_dir: Path) -> None:
+    if Path(run_dir).is_dir() and any(Path(run_dir).iterdir()):
+        raise RunDirError(f"run directory {str(run_dir)!r} is not empty. To continue that run: "
+                          f"mugrpo train --resume {run_dir}; to start afresh, choose a new --run-dir "
+                          "or delete the old one")
+
+
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = True) -> None:
     run_dir = Path(run_dir)
     if resume:
@@ -70,10 +77,7 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = Tr
             raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
         return
     if is_main:
-        if run_dir.exists() and any(run_dir.iterdir()):
-            raise RunDirError(f"run directory {str(run_dir)!r} is not empty. To continue that run: "
-                              f"mugrpo train --resume {run_dir}; to start afresh, choose a new --run-dir "
-                              "or delete the old one")
+        check_run_dir_free(run_dir)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=run_dir):

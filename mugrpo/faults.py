@@ -24,3 +24,17 @@ def maybe_die(point: str) -> None:
     _counts[point] = _counts.get(point, 0) + 1
     if _counts[point] == int(nth or 1):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def should_poison(point: str) -> bool:
+    """``MUGRPO_POISON_AT="point:n"``: True the n-th time ``point`` is passed (e.g. ``loss`` makes that
+    update's loss NaN), to test that non-finite updates are skipped and counted."""
+    spec = os.environ.get("MUGRPO_POISON_AT")
+    if not spec:
+        return False
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return False
+    key = f"poison:{point}"
+    _counts[key] = _counts.get(key, 0) + 1
+    return _counts[key] == int(nth or 1)

@@ -27,7 +27,7 @@ from mugrpo.advantages import group_advantages
 from mugrpo.config import Config, dump_yaml
 from mugrpo.data import StageData, collate, write_stage_text
 from mugrpo.engines import SamplingConfig, make_engine
-from mugrpo.faults import maybe_die
+from mugrpo.faults import maybe_die, should_poison
 from mugrpo.evaluate import TrainingEvaluator
 from mugrpo.logprobs import token_logprobs
 from mugrpo.losses import finalize_metrics, policy_loss
@@ -66,7 +66,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     run_dir = Path(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
-    ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
+    if not resume:
+        ckpt.check_run_dir_free(run_dir)
     _configure_torch(cfg)
     model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
     model_path = dist.broadcast_object(model_path)
@@ -79,12 +80,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     if ref_model is not None:
         ref_model = dist.prepare_frozen(ref_model, cfg, world)
     optimizer, scheduler = build_optimizer(policy, cfg, plan)
+    task = build_task(cfg.task)
+    # Only now that model and task have loaded: a failed start leaves no half-made run directory.
+    ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
     state = RunState()
     if resume:
         state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
         if world.is_main:
             ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
-    task = build_task(cfg.task)
     engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
     logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
     progress = Progress(enabled=cfg.train.progress and world.is_main)
@@ -323,6 +326,7 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
         local_den = _post_veto_denominator(policy, batches, cfg, local_den)
     denominator = dist.sum_over_ranks(local_den.to(device)).clamp(min=1)
     summed: dict[str, torch.Tensor] = {}
+    poison = should_poison("loss")  # test hook: makes this update's loss NaN
     for i, mb in enumerate(batches):
         with dist.no_sync_unless_last(policy, i == len(batches) - 1):
             logprobs, entropy = sequence_logprobs(policy, mb, temperature, autocast, True, lc.entropy_coef > 0)
@@ -337,6 +341,8 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
                 veto_delta=lc.veto_delta, post_veto_normalizer=lc.veto_normalizer == "post_veto",
                 aggregation=lc.aggregation, seq_len_norm=cfg.rollout.max_new_tokens, ref_logprobs=ref_logprobs,
                 kl_beta=lc.kl_beta, entropy=entropy, entropy_coef=lc.entropy_coef)
+            if poison:
+                loss = loss * float("nan")
             # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
             (loss * world.size).backward()
         for key, value in metrics.items():

@@ -146,22 +146,24 @@ def two_rank_run(tiny_model, tmp_path_factory) -> Path:
     return run
 
 
-def _resume_copy(run: Path, target: Path, checkpoint: str, skip_stages: tuple[str, ...] = ()) -> Path:
-    """A run directory holding ``run``'s config, stage data and one of its checkpoints."""
+def _resume_copy(run: Path, target: Path, checkpoint: str | None, skip_stages: tuple[str, ...] = ()) -> Path:
+    """A run directory holding ``run``'s config, stage data and one of its checkpoints (None: none,
+    so the resume starts from the initial weights, a pure function of the config)."""
     target.mkdir()
     shutil.copy(run / "config.yaml", target / "config.yaml")
     shutil.copytree(run / "stages", target / "stages", ignore=shutil.ignore_patterns(*skip_stages))
-    shutil.copytree(run / "checkpoints" / checkpoint, target / "checkpoints" / checkpoint)
+    if checkpoint is not None:
+        shutil.copytree(run / "checkpoints" / checkpoint, target / "checkpoints" / checkpoint)
     return target
 
 
 @pytest.mark.distributed
 def test_two_processes_make_the_same_updates_as_one_process_on_the_same_stage_data(two_rank_run, tiny_model,
                                                                                   tmp_path):
-    # ONE process resumes the 2-rank run from its first checkpoint (stage 0, taken after generation,
-    # before any update). Every stage's data is on disk as 2 shards, so it generates nothing: it
-    # reads both shards of each stage, must draw the same minibatches, and make the same 16 updates.
-    one = _resume_copy(two_rank_run, tmp_path / "one", "ckpt_000000_s000_u00000")
+    # ONE process resumes the 2-rank run from its start (no checkpoint: the initial weights). Every
+    # stage's data is on disk as 2 shards, so it generates nothing: it reads both shards of each
+    # stage, must draw the same minibatches, and make the same 16 updates.
+    one = _resume_copy(two_rank_run, tmp_path / "one", None)
     _mugrpo(1, ["--resume", str(one), "parallel.activation_checkpointing=false"])
 
     # Tolerance: both sides are fp32; they differ only in summation order (gradient reduce-scatter

@@ -1,0 +1,74 @@
+"""Faults are survived and counted; bad start-up input ends in exit code 2 with a message naming the fix."""
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import TESTS, TINY_OVERRIDES
+
+from mugrpo.metrics import read_metrics
+
+
+def _run(run_dir, model_dir, *extra, env_extra=None):
+    cmd = [sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir), f"model.name={model_dir}",
+           *TINY_OVERRIDES, "schedule.total_updates=4", "schedule.num_stages=2", "optim.lr=1e-2",
+           "train.threads=1", "eval.num_items=0", *extra]
+    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env_extra or {})}
+    env.pop("MUGRPO_DIE_AT", None)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+
+def _records(run_dir, kind):
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == kind]
+
+
+def test_a_nan_loss_skips_that_update_and_training_continues(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, env_extra={"MUGRPO_POISON_AT": "loss:2"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "update 1 skipped: non-finite loss" in r.stdout + r.stderr
+    updates = _records(tmp_path / "run", "update")
+    assert [u["optim/skipped"] for u in updates] == [0.0, 1.0, 0.0, 0.0]
+    assert updates[-1]["optim/num_skipped_updates"] == 1
+    assert all(u["loss/policy"] is not None for u in updates[2:])  # finite again after the skip
+
+
+def test_consecutive_non_finite_updates_stop_the_run_with_advice(tmp_path, tiny_model_dir):
+    # lr 1e30 throws the weights to inf on the first step; every later loss is NaN.
+    r = _run(tmp_path / "run", tiny_model_dir, "optim.lr=1e30", "checkpoint.max_bad_updates=2")
+    assert r.returncode == 2
+    assert "2 consecutive updates had a non-finite loss" in r.stderr and "optim.lr" in r.stderr
+
+
+def test_reward_function_that_raises_is_counted_and_reported_once(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:raises")
+    assert r.returncode == 0, r.stderr[-2000:]
+    stages = _records(tmp_path / "run", "stage")
+    assert [s["reward/error_count"] for s in stages] == [128, 128]  # mu 2 x 8 prompts = 16 prompts x G 8 per stage
+    assert stages[0]["stage/zero_var_group_frac"] == 1.0  # every reward 0: all groups zero variance
+    assert (r.stdout + r.stderr).count("RuntimeError: boom") == 2  # first traceback, once per stage
+    assert "every group has zero reward variance" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["model.name=/nonexistent/model"], "does not exist"),
+    (["task.max_prompt_tokens=5"], "longer than task.max_prompt_tokens=5"),
+    (["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every prompt is longer"),
+    (["task.kind=math", "task.name=/nonexistent.jsonl"], "does not exist"),
+])
+def test_start_up_errors(tmp_path, tiny_model_dir, extra, needle):
+    r = _run(tmp_path / "run", tiny_model_dir, *extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_dir_not_writable(tmp_path, tiny_model_dir):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = _run(blocker / "run", tiny_model_dir)
+    assert r.returncode == 2 and "not writable" in r.stderr
+
+
+def test_truncated_prompts_train(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, "task.max_prompt_tokens=12", "task.prompt_too_long=truncate")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert len(_records(tmp_path / "run", "update")) == 4
