@@ -67,7 +67,7 @@ class HFEngine:
         gen_cfg = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else sampling.temperature,
             # Explicit "off" values: None would let generate fall back to its defaults (top_k=50).
-            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+            top_p=None if greedy else sampling.top_p, top_k=None if greedy else sampling.top_k,
             max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos,
             output_scores=True, return_dict_in_generate=True,
         )
