@@ -17,5 +17,5 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 # Overrides that make a run of the tiny model take seconds: no few-shot, short answers.
-TINY_OVERRIDES = ["task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8",
+TINY_OVERRIDES = ["task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8", "train.autocast=none",
                   "task.reward_fn=toy_rewards:frac_ones", "train.progress=false"]
