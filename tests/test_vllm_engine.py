@@ -256,7 +256,7 @@ def test_training_through_vllm_raises_the_reward(tiny, shared, tmp_path):
     path, _, _ = tiny
     shared.release()
     overrides = [f"model.name={path}", "rollout.engine=vllm", "task.reward_fn=vllm_rewards:fraction_of_ones",
-                 "task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8", "optim.lr=3e-3",
+                 "task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8", "optim.lr=3e-3", "train.autocast=none",
                  "rollout.vllm_kv_cache_gb=0.25",
                  "schedule.total_updates=16", "schedule.num_stages=4", "train.progress=false",
                  "train.save_stage_text=false", "train.save_final_model=false"]
