@@ -3,11 +3,12 @@
 Files are named after the JSON (``toy_lab.json`` -> ``toy_lab_presets.png`` ...):
 
 - ``toy_lab_presets.png``: held-out pass@1 vs update for the five presets (mean over seeds, band =
-  min..max over seeds, thin lines = seeds), and E[rho | A < 0] per update (the collapse signature).
-- ``toy_lab_scopes.png``: the same for the veto scopes, with the vetoed token fraction.
+  min..max over seeds, thin lines = seeds), the drift from the behaviour policy (k3 KL) and
+  E[rho | A < 0] per update (the paper's collapse signature).
+- ``toy_lab_scopes.png``: the same for the veto scopes, with the vetoed and trigger token fractions.
 - ``toy_lab_delta.png``: final and peak pass@1 against delta.
 
-``python -m benchmarks.toy_lab.plot [results.json]`` redraws them.
+``python -m benchmarks.toy_lab.plot [results.json]`` redraws them and prints the summary table.
 """
 
 from __future__ import annotations
@@ -90,27 +91,29 @@ def plot_all(path: Path) -> list[Path]:
     title = (f"toy lab: {result['warmstart']['num_params'] / 1e6:.1f}M char model, {size['total_updates']} updates, "
              f"stale mu={mu}, lr={size['lr']:g}")
 
-    groups = [("presets", [n for n in ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo") if n in names],
-               "loss/ratio_mean_neg", "E[rho | A<0] (log)", True),
-              ("scopes", [n for n in ("grpo-stale-relaxed", "veto=trigger", "mu-grpo", "veto=suffix_nontrigger",
-                                      "veto=sequence") if n in names],
-               "loss/veto_token_frac", "vetoed token fraction", False)]
+    presets = [n for n in ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo") if n in names]
+    scopes = [n for n in ("grpo-stale-relaxed", "veto=trigger", "mu-grpo", "veto=suffix_nontrigger", "veto=sequence")
+              if n in names]
+    groups = [("presets", presets, [("loss/kl_behavior", "KL(pi_b || pi_theta) per token (k3, log)", True),
+                                    ("loss/ratio_mean_neg", "E[rho | A<0]", False)]),
+              ("scopes", scopes, [("loss/veto_token_frac", "vetoed token fraction", False),
+                                  ("loss/trigger_frac", "trigger token fraction", False)])]
     labels = {"grpo-stale-relaxed": "none (grpo-stale-relaxed)", "mu-grpo": "suffix (mu-grpo)"}
-    for group, members, diag_key, diag_label, log in groups:
+    for group, members, diagnostics in groups:
         if len(members) < 2:
             continue
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        _panel(axes[0], runs, members, "update", "pass1", "eval", "held-out pass@1 (T=1)",
-               labels=labels if group == "scopes" else None)
-        _panel(axes[1], runs, members, "update", diag_key, "updates", diag_label, log=log, smooth=3,
-               labels=labels if group == "scopes" else None)
+        fig, axes = plt.subplots(1, 1 + len(diagnostics), figsize=(5 * (1 + len(diagnostics)), 3.8))
+        names_for = labels if group == "scopes" else None
+        _panel(axes[0], runs, members, "update", "pass1", "eval", "held-out pass@1 (T=1)", labels=names_for)
+        for ax, (key, label, log) in zip(axes[1:], diagnostics):
+            _panel(ax, runs, members, "update", key, "updates", label, log=log, smooth=3, labels=names_for)
         for ax in axes:
             _stage_lines(ax, result)
-        axes[0].legend(fontsize=8)
+        axes[0].legend(fontsize=7)
         fig.suptitle(title + ("" if group == "presets" else "; veto scopes (all relaxed clip [0, 5])"), fontsize=9)
         fig.tight_layout()
         target = out_dir / f"{Path(path).stem}_{group}.png"
-        fig.savefig(target, dpi=80)
+        fig.savefig(target, dpi=72)
         plt.close(fig)
         written.append(target)
 
@@ -143,7 +146,28 @@ def plot_all(path: Path) -> list[Path]:
     return written
 
 
+def markdown_summary(path: Path) -> str:
+    """The results table of docs/BENCHMARKS.md: one row per experiment, mean +- std over seeds."""
+    result = json.loads(Path(path).read_text())
+
+    def fmt(stat, scale=1.0, digits=3):
+        if not stat:
+            return "-"
+        return f"{stat['mean'] * scale:.{digits}f} ± {stat['std'] * scale:.{digits}f}"
+
+    rows = ["| experiment | seeds | final pass@1 | peak pass@1 | drop from peak | E[rho given A<0], last 8 updates | "
+            "vetoed tokens (mean) |", "|---|---|---|---|---|---|---|"]
+    for name, s in result["summary"].items():
+        rows.append(f"| {name} | {s['num_seeds']} | {fmt(s['final_pass1'])} | {fmt(s['peak_pass1'])} | "
+                    f"{fmt(s['drop_from_peak'])} | {fmt(s.get('late_ratio_mean_neg'))} | "
+                    f"{fmt(s['veto_token_frac_mean'], 100, 2)}% |")
+    start = result["runs"][0]["eval"][0]["pass1"] if result["runs"] else float("nan")
+    return f"Initial pass@1 (the warm start): {start:.3f}\n\n" + "\n".join(rows)
+
+
 if __name__ == "__main__":
     default = Path(__file__).resolve().parents[1] / "results" / "toy_lab.json"
-    for p in plot_all(Path(sys.argv[1]) if len(sys.argv) > 1 else default):
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else default
+    for p in plot_all(target):
         print(p)
+    print(markdown_summary(target))
