@@ -174,6 +174,20 @@ def summarise(runs: list[dict]) -> dict:
     return out
 
 
+def dump_json(result: dict) -> str:
+    """Compact JSON, floats to 5 significant digits (the per-update curves are most of the file)."""
+    def rounded(x):
+        if isinstance(x, float):
+            return float(f"{x:.5g}")
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [rounded(v) for v in x]
+        return x
+
+    return json.dumps(rounded(result), separators=(",", ":")) + "\n"
+
+
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
@@ -222,7 +236,7 @@ def main(argv=None) -> int:
             result["total_s"] = time.perf_counter() - t_all
             result["total_cpu_s"] = _cpu_s() - cpu_all
             result["machine"]["loadavg_end"] = os.getloadavg()
-            out_path.write_text(json.dumps(result, indent=1))
+            out_path.write_text(dump_json(result))
     from benchmarks.toy_lab.plot import plot_all
 
     for path in plot_all(out_path):
