@@ -1,0 +1,248 @@
+"""Toy lab: the paper's staleness experiments (Figures 2/3 pattern) on a ~1M-parameter char model.
+
+One command runs everything, sequentially, in one process::
+
+    PYTHONPATH=. python -m benchmarks.toy_lab.run            # full lab (see docs/BENCHMARKS.md)
+    PYTHONPATH=. python -m benchmarks.toy_lab.run --quick    # 1 seed, 2 presets, a few updates
+
+Groups of runs (every run: same warm-started model, same update budget, same data budget; the
+stale ones share the same mu):
+
+- ``presets``: grpo (mu = 4), grpo-stale, grpo-stale-relaxed, m2po, mu-grpo;
+- ``scopes``:  mu-grpo with the veto scope trigger / sequence / suffix_nontrigger (suffix is mu-grpo
+  itself, none is grpo-stale-relaxed);
+- ``delta``:   mu-grpo with other ``loss.veto_delta`` values (1e-4 is mu-grpo itself).
+
+Each run is ``mugrpo.trainer.train`` with a config built by ``load_config(preset, overrides=...)``.
+The only addition is an evaluation of the *current* policy every ``--eval-every`` updates on a fixed
+held-out set (:mod:`benchmarks.evaluate`): the trainer itself logs the reward of each stage's
+behaviour policy only, which for a 2-stage run is two points. The evaluation wraps
+``mugrpo.trainer.optimizer_update`` (looked up by name inside ``train``); its time is measured and
+subtracted from the run's clock.
+
+Output: ``benchmarks/results/toy_lab.json`` (settings, machine, every run's curves, a summary per
+experiment) and PNG figures next to it (:mod:`benchmarks.toy_lab.plot`). Run folders are temporary
+(``benchmarks/cache/toy_lab/runs``) and removed after each run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.toy_lab import warmstart
+from benchmarks.evaluate import UpdateEvaluator, patched_trainer
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+PRESETS = ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo")
+SCOPES = ("trigger", "sequence", "suffix_nontrigger")
+DELTAS = (0.5, 1e-1, 1e-2, 1e-3, 1e-6)
+
+
+@dataclass
+class LabSize:
+    total_updates: int = 64
+    stale_stages: int = 2
+    """K for the stale presets: mu = total_updates / stale_stages."""
+    grpo_mu: int = 4
+    prompts_per_update: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 0
+    """0: the warm start's longest target plus EOS."""
+    lr: float = 3e-4
+    warmup_updates: int = 8
+    """Linear lr warm-up. Without it Adam's first, sign-like steps (every weight moves by ~lr whatever
+    its gradient) on a noisy 64-sequence policy gradient undo part of the SFT: at lr 1e-3 even grpo
+    lost 25 points of pass@1 in its first 4 updates."""
+    eval_every: int = 8
+    eval_prompts: int = 128
+    eval_samples: int = 2
+    threads: int = 1
+    """torch threads; 1 is faster than 2 on a 2-core machine that others share (measured)."""
+
+
+def experiments(groups: list[str]) -> list[tuple[str, str, str, list[str]]]:
+    """(group, experiment name, preset, extra overrides)."""
+    out = []
+    if "presets" in groups:
+        out += [("presets", p, p, []) for p in PRESETS]
+    if "scopes" in groups:
+        out += [("scopes", f"veto={s}", "mu-grpo", [f"loss.veto_scope={s}"]) for s in SCOPES]
+    if "delta" in groups:
+        out += [("delta", f"delta={d:g}", "mu-grpo", [f"loss.veto_delta={d}"]) for d in DELTAS]
+    return out
+
+
+def base_overrides(size: LabSize, model_dir: Path, spec: warmstart.WarmStartSpec, preset: str, seed: int
+                   ) -> list[str]:
+    schedule = ([f"schedule.updates_per_stage={size.grpo_mu}", "schedule.num_stages=null"] if preset == "grpo"
+                else [f"schedule.num_stages={size.stale_stages}", "schedule.updates_per_stage=null"])
+    seqs = size.prompts_per_update * size.group_size
+    return warmstart.task_overrides(spec) + schedule + [
+        f"model.name={model_dir}", f"schedule.total_updates={size.total_updates}",
+        f"schedule.prompts_per_update={size.prompts_per_update}", f"schedule.micro_batch_size={seqs}",
+        f"rollout.group_size={size.group_size}", f"rollout.max_new_tokens={size.max_new_tokens}",
+        "rollout.batch_size=512", f"optim.lr={size.lr}", f"optim.warmup_updates={size.warmup_updates}",
+        f"train.seed={seed}", f"train.threads={size.threads}",
+        "train.progress=false", "train.save_stage_text=false", "train.save_final_model=false",
+        f"task.eval_size={size.eval_prompts}", "checkpoint.keep_last=1",
+    ]
+
+
+UPDATE_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_frac", "loss/veto_seq_frac",
+               "loss/trigger_frac", "loss/clip_frac_low", "loss/clip_frac_high", "loss/kl_behavior",
+               "loss/entropy", "optim/grad_norm", "loss/m2po_tau")
+
+
+def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSize, model_dir: Path,
+            spec: warmstart.WarmStartSpec, work: Path) -> dict:
+    from mugrpo import trainer
+    from mugrpo.config import load_config
+    from mugrpo.metrics import read_metrics
+    from mugrpo.models import load_tokenizer
+    from mugrpo.tasks import build_task
+
+    cfg = load_config(preset, overrides=base_overrides(size, model_dir, spec, preset, seed) + overrides)
+    run_dir = work / f"{name.replace('=', '-')}-s{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    task = build_task(cfg.task)
+    at = range(0, size.total_updates + 1, size.eval_every)
+    evaluator = UpdateEvaluator(load_tokenizer(str(model_dir)), task, cfg.task, at, samples=size.eval_samples,
+                                max_new_tokens=size.max_new_tokens)
+    t0, cpu0 = time.perf_counter(), _cpu_s()
+    with patched_trainer(evaluator):
+        trainer.train(cfg, run_dir)
+    wall_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
+    records = read_metrics(run_dir / "metrics.jsonl")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    time_of = evaluator.clock(records)
+    updates = [r for r in records if r["kind"] == "update"]
+    stages = [r for r in records if r["kind"] == "stage"]
+    return {
+        "name": name, "preset": preset, "seed": seed, "overrides": overrides,
+        "wall_s": wall_s, "cpu_s": cpu_s, "eval_s": evaluator.eval_s, "train_s": wall_s - evaluator.eval_s,
+        "eval": [{**p, "time_s": time_of.get(p["update"], 0.0)} for p in evaluator.points],
+        "updates": [{"update": r["update"], **{k: r.get(k) for k in UPDATE_KEYS if k in r}} for r in updates],
+        "stages": [{"stage": r["stage"], "update": r["update"], "reward": r.get("reward/mean"),
+                    **{k: r.get(k) for k in ("perf/generate_s", "perf/optimize_s", "perf/sync_s")}}
+                   for r in stages],
+    }
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per experiment, mean and spread over seeds: final pass@1 (mean of the last two evaluations),
+    peak pass@1 (update 0 included), the drop from peak to final, E[rho | A < 0] over the last 8
+    updates, the vetoed token fraction over the run, and the run's wall-clock."""
+    by_name: dict[str, list[dict]] = {}
+    for r in runs:
+        by_name.setdefault(r["name"], []).append(r)
+    out = {}
+    for name, rs in by_name.items():
+        def stat(values):
+            values = [v for v in values if v is not None]
+            if not values:
+                return None
+            return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values),
+                    "max": max(values), "values": values}
+
+        finals = [statistics.fmean(p["pass1"] for p in r["eval"][-2:]) for r in rs]
+        peaks = [max(p["pass1"] for p in r["eval"]) for r in rs]
+        neg = [statistics.fmean([v for u in r["updates"][-8:] if (v := u.get("loss/ratio_mean_neg")) is not None]
+                                or [float("nan")]) for r in rs]
+        veto = [statistics.fmean(u.get("loss/veto_token_frac") or 0 for u in r["updates"]) for r in rs]
+        out[name] = {"preset": rs[0]["preset"], "num_seeds": len(rs),
+                     "initial_pass1": rs[0]["eval"][0]["pass1"], "final_pass1": stat(finals),
+                     "peak_pass1": stat(peaks), "drop_from_peak": stat([p - f for p, f in zip(peaks, finals)]),
+                     "late_ratio_mean_neg": stat(neg), "veto_token_frac_mean": stat(veto),
+                     "train_s": stat([r["train_s"] for r in rs])}
+    return out
+
+
+def dump_json(result: dict) -> str:
+    """Compact JSON, floats to 5 significant digits (the per-update curves are most of the file)."""
+    def rounded(x):
+        if isinstance(x, float):
+            return float(f"{x:.5g}")
+        if isinstance(x, dict):
+            return {k: rounded(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [rounded(v) for v in x]
+        return x
+
+    return json.dumps(rounded(result), separators=(",", ":")) + "\n"
+
+
+def machine() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", default="presets,scopes,delta", help="comma list of presets, scopes, delta")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--only", nargs="*", help="run only these experiment names (e.g. grpo mu-grpo)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 1 seed, grpo + mu-grpo, 16 updates")
+    ap.add_argument("--out", default=str(RESULTS / "toy_lab.json"))
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="extra mugrpo config overrides for every run (e.g. optim.warmup_updates=8)")
+    for f, v in asdict(LabSize()).items():
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+    args = ap.parse_args(argv)
+    size = LabSize(**{f: getattr(args, f) for f in asdict(LabSize())})
+    if args.quick:
+        size.total_updates, size.eval_every, size.eval_prompts = 16, 4, 32
+        args.seeds, args.only = args.seeds[:1], args.only or ["grpo", "mu-grpo"]
+    torch.set_num_threads(size.threads)
+    spec = warmstart.WarmStartSpec()
+    model_dir = warmstart.build(spec)
+    warm = json.loads((model_dir / "warmstart.json").read_text())
+    size.max_new_tokens = size.max_new_tokens or warm["max_new_tokens"]
+    exps = [e for e in experiments(args.groups.split(",")) if not args.only or e[1] in args.only]
+    work = warmstart.CACHE / "runs"
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = {"benchmark": "toy_lab", "size": asdict(size), "extra_overrides": args.set, "warmstart": warm,
+              "machine": machine(), "command": " ".join(["python -m benchmarks.toy_lab.run"] + (argv or sys.argv[1:])),
+              "runs": []}
+    t_all, cpu_all = time.perf_counter(), _cpu_s()
+    for seed in args.seeds:  # seed-major: a partial result already has every experiment at seed 0
+        for group, name, preset, overrides in exps:
+            print(f"[toy_lab] {name} seed {seed} ...", flush=True)
+            run = run_one(name, preset, args.set + overrides, seed, size, model_dir, spec, work)
+            run["group"] = group
+            result["runs"].append(run)
+            ev = run["eval"]
+            print(f"[toy_lab] {name} seed {seed}: pass@1 {ev[0]['pass1']:.3f} -> peak "
+                  f"{max(p['pass1'] for p in ev):.3f} -> final {ev[-1]['pass1']:.3f} "
+                  f"({run['train_s']:.0f} s train, {run['eval_s']:.0f} s eval)", flush=True)
+            result["summary"] = summarise(result["runs"])
+            result["total_s"] = time.perf_counter() - t_all
+            result["total_cpu_s"] = _cpu_s() - cpu_all
+            result["machine"]["loadavg_end"] = os.getloadavg()
+            out_path.write_text(dump_json(result))
+    from benchmarks.toy_lab.plot import plot_all
+
+    for path in plot_all(out_path):
+        print(f"[toy_lab] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
