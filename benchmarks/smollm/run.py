@@ -115,7 +115,9 @@ def run_mugrpo(method: str, size: Size, args) -> dict:
     # Evaluations run inside optimizer_update calls, hence inside the trainer's perf/optimize_s.
     breakdown = {"generate_s": spent("perf/generate_s"), "optimize_s": spent("perf/optimize_s") - evaluator.eval_s,
                  "sync_s": spent("perf/sync_s"), "score_s": spent("perf/score_s"),
-                 "checkpoint_s": timers["checkpoint_s"], "num_checkpoints": timers["num_checkpoints"]}
+                 # The last save comes after the last update, outside the run's clock.
+                 "checkpoint_s": sum(timers["checkpoint_durations_s"][:-1]),
+                 "num_checkpoints": len(timers["checkpoint_durations_s"])}
     breakdown["other_s"] = total - sum(v for k, v in breakdown.items() if k.endswith("_s"))
     # Stage rewards are the behaviour policy's, measured at the start of the stage.
     starts = {r["stage"]: r["update"] - r["update_in_stage"] for r in stages}
