@@ -224,7 +224,7 @@ def plot(result: dict, path: Path) -> None:
                 bottom[m] += v
     axes[2].set_ylabel("minutes")
     axes[2].legend(fontsize=7)
-    axes[2].set_title("where the time goes (TRL: generate includes scoring and old log-probs)", fontsize=8)
+    axes[2].set_title("where the time goes (TRL generate: + scoring, old log-probs)", fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
     s = result["size"]
