@@ -108,16 +108,14 @@ def patched_trainer(evaluator: UpdateEvaluator, timers: dict | None = None):
     original_update, original_save = trainer.optimizer_update, checkpoint.save
     trainer.optimizer_update = evaluator.wrap(original_update)
     if timers is not None:
-        timers.setdefault("checkpoint_s", 0.0)
-        timers.setdefault("num_checkpoints", 0)
+        timers.setdefault("checkpoint_durations_s", [])
 
         def save(*args, **kwargs):
             t0 = time.perf_counter()
             try:
                 return original_save(*args, **kwargs)
             finally:
-                timers["checkpoint_s"] += time.perf_counter() - t0
-                timers["num_checkpoints"] += 1
+                timers["checkpoint_durations_s"].append(time.perf_counter() - t0)
 
         checkpoint.save = save
     try:

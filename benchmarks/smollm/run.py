@@ -112,16 +112,19 @@ def run_mugrpo(method: str, size: Size, args) -> dict:
     def spent(key):
         return sum(r.get(key) or 0.0 for r in stages)
 
-    breakdown = {"generate_s": spent("perf/generate_s"), "optimize_s": spent("perf/optimize_s"),
+    # Evaluations run inside optimizer_update calls, hence inside the trainer's perf/optimize_s.
+    breakdown = {"generate_s": spent("perf/generate_s"), "optimize_s": spent("perf/optimize_s") - evaluator.eval_s,
                  "sync_s": spent("perf/sync_s"), "score_s": spent("perf/score_s"),
-                 "checkpoint_s": timers["checkpoint_s"], "num_checkpoints": timers["num_checkpoints"]}
+                 # The last save comes after the last update, outside the run's clock.
+                 "checkpoint_s": sum(timers["checkpoint_durations_s"][:-1]),
+                 "num_checkpoints": len(timers["checkpoint_durations_s"])}
     breakdown["other_s"] = total - sum(v for k, v in breakdown.items() if k.endswith("_s"))
     # Stage rewards are the behaviour policy's, measured at the start of the stage.
     starts = {r["stage"]: r["update"] - r["update_in_stage"] for r in stages}
     train_curve = [{"update": starts[r["stage"]], "reward": r.get("reward/mean"),
                     "time_s": clock.get(starts[r["stage"]], 0.0) if starts[r["stage"]] else 0.0} for r in stages]
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"method": method, "preset": method, "total_s": total, "breakdown": breakdown,
+    return {"method": method, "preset": method, "total_s": total, "eval_s": evaluator.eval_s, "breakdown": breakdown,
             "eval": [{**p, "time_s": clock.get(p["update"], 0.0)} for p in evaluator.points],
             "train_reward": train_curve, "num_stages": len(stages),
             "updates": [{"update": u, "time_s": t} for u, t in sorted(clock.items())]}
@@ -133,7 +136,8 @@ def run_trl(size: Size, args) -> dict:
 
     python = Path(args.trl_python)
     if not python.is_file():
-        return {"method": "trl", "skipped": f"no TRL interpreter at {python}; see benchmarks/smollm/README"}
+        return {"method": "trl",
+                "skipped": f"no TRL interpreter at {python}; install it as docs/BENCHMARKS.md says (section 2)"}
     cfg = load_config("grpo")
     out = WORK / f"trl-{args.size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +204,7 @@ def plot(result: dict, path: Path) -> None:
                      label=f"{m} (held-out)")
         tr = [p for p in r["train_reward"] if p["reward"] is not None]
         if tr:
-            axes[0].plot([p["time_s"] / 60 for p in tr], [p["reward"] for p in tr], ":", color=colors[m], alpha=0.6,
+            axes[0].plot([p["time_s"] / 60 for p in tr], [p["reward"] for p in tr], ".:", color=colors[m], alpha=0.6,
                          label=f"{m} (train batch)")
         axes[1].plot([u["update"] for u in r["updates"]], [u["time_s"] / 60 for u in r["updates"]], color=colors[m],
                      label=m)
@@ -213,14 +217,14 @@ def plot(result: dict, path: Path) -> None:
     parts = ("generate_s", "optimize_s", "sync_s", "score_s", "checkpoint_s", "other_s")
     bottom = {m: 0.0 for m in runs}
     for part in parts:
-        vals = [runs[m]["breakdown"].get(part, 0.0) / 60 for m in runs]
+        vals = [max(runs[m]["breakdown"].get(part, 0.0), 0.0) / 60 for m in runs]
         if any(vals):
             axes[2].bar(list(runs), vals, bottom=[bottom[m] for m in runs], label=part[:-2])
             for m, v in zip(runs, vals):
                 bottom[m] += v
     axes[2].set_ylabel("minutes")
     axes[2].legend(fontsize=7)
-    axes[2].set_title("where the time goes (TRL: generate includes scoring and old log-probs)", fontsize=8)
+    axes[2].set_title("where the time goes (TRL generate: + scoring, old log-probs)", fontsize=8)
     for ax in axes:
         ax.grid(alpha=0.3)
     s = result["size"]

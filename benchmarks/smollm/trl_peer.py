@@ -60,7 +60,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     cfg = load_config("grpo", overrides=args.task_overrides + [
         f"schedule.total_updates={args.updates}", f"schedule.prompts_per_update={args.prompts_per_update}",
-        f"rollout.group_size={args.group_size}", f"train.seed={args.seed}", f"task.eval_size={args.eval_prompts}"])
+        f"rollout.group_size={args.group_size}", f"schedule.micro_batch_size={args.micro_batch_size}",
+        f"train.seed={args.seed}", f"task.eval_size={args.eval_prompts}"])
     plan = make_plan(cfg)
     task = build_task(cfg.task)
     # mugrpo's stage prompts (trainer.load_or_generate_stage samples them with this generator).
