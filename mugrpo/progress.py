@@ -52,7 +52,8 @@ class Progress:
         parts = [f"reward {_fmt('{:.3f}', m.get('reward/mean'))}",
                  f"len {_fmt('{:.1f}', m.get('stage/response_len_mean'))}",
                  f"zero-var {_fmt('{:.2f}', m.get('stage/zero_var_group_frac'))}"]
-        for key in ("perf/sync_s", "perf/generate_s", "perf/score_s", "perf/optimize_s", "perf/eval_s"):
+        for key in ("perf/sync_s", "perf/generate_s", "perf/score_s", "perf/optimize_s", "perf/eval_s",
+                    "perf/checkpoint_s"):
             if m.get(key) is not None:
                 parts.append(f"{key.split('/')[1][:-2]} {m[key]:.1f}s")
         if m.get("perf/generate_tok_s") is not None:

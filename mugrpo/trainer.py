@@ -96,6 +96,16 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     t_start = time.perf_counter() - state.elapsed_s
     evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
     stopper = ckpt.GracefulStop()
+
+    def save() -> float:
+        t = time.perf_counter()
+        ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s=t - t_start)
+        return time.perf_counter() - t
+
+    # Checkpoint seconds inside the current stage's wall-clock interval (which runs from the previous
+    # stage record to this one, so the previous stage-end checkpoint counts here), and those inside
+    # the optimisation phase (taken off perf/optimize_s).
+    ckpt_s, ckpt_in_opt_s = 0.0, 0.0
     try:
         evaluator.maybe_run(state)  # the initial policy (eval.at_start)
         while state.stage < plan.num_stages:
@@ -121,22 +131,23 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                 interrupted = stopper.requested
                 due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
                 if (due or interrupted) and state.update_in_stage < plan.updates_per_stage:
-                    ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world,
-                              elapsed_s=time.perf_counter() - t_start)
+                    seconds = save()
+                    ckpt_s += seconds
+                    ckpt_in_opt_s += seconds
                 if interrupted:
                     break
             progress.close(bar)
             if stopper.requested and state.update_in_stage < plan.updates_per_stage:
                 raise ckpt.Interrupted(run_dir)
-            stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt - evaluator.in_loop_s
+            stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt - evaluator.in_loop_s - ckpt_in_opt_s
             stage_metrics["perf/eval_s"] = evaluator.finish_stage(state)
+            stage_metrics["perf/checkpoint_s"] = ckpt_s
             logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=plan.updates_per_stage))
             if world.is_main:
                 progress.stage_summary(state.stage, stage_metrics)
             state.stage += 1
             state.update_in_stage = 0
-            ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world,
-                      elapsed_s=time.perf_counter() - t_start)
+            ckpt_s, ckpt_in_opt_s = save(), 0.0
             if stopper.requested and state.stage < plan.num_stages:
                 raise ckpt.Interrupted(run_dir)
         final = run_dir / "final_model"

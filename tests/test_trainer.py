@@ -17,7 +17,7 @@ UPDATE_KEYS = ["loss/policy", "loss/clip_frac_low", "loss/clip_frac_high", "loss
                "loss/kl_behavior", "loss/ess_frac", "loss/entropy", "optim/grad_norm", "optim/lr"]
 STAGE_KEYS = ["reward/mean", "reward/std", "stage/zero_var_group_frac", "stage/response_len_mean",
               "stage/truncated_frac", "perf/sync_s", "perf/generate_s", "perf/score_s", "perf/optimize_s",
-              "perf/generate_tok_s"]
+              "perf/eval_s", "perf/checkpoint_s", "perf/generate_tok_s"]
 
 
 def _run(tmp_path, model_dir, preset, extra=()):
@@ -42,6 +42,11 @@ def test_reward_rises_end_to_end(tmp_path, tiny_model_dir, preset):
     for r in updates:
         assert all(k in r for k in UPDATE_KEYS + ["stage", "update", "update_in_stage", "time_s"])
         assert 0 <= r["update_in_stage"] < plan.updates_per_stage
+    # The checkpoint written at a stage's end falls in the next stage's interval (stage lines are
+    # written before it), so stage 0 has none and every later stage has one; the last one's is after
+    # the last line.
+    assert stages[0]["perf/checkpoint_s"] == 0.0
+    assert all(r["perf/checkpoint_s"] > 0 for r in stages[1:])
     for r in stages:
         assert all(k in r for k in STAGE_KEYS)
         # The first update of every stage sees ratio 1: engine and trainer agree to fp32 rounding.
