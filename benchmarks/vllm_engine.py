@@ -113,6 +113,12 @@ def raw_generate(llm, prompts, params):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
+def cold(llm):
+    """Empty the prefix cache, as after a stage-start sync: otherwise whichever call runs second on
+    the same prompts skips their prefill."""
+    llm.reset_prefix_cache()
+
+
 def bench_sizes(engine, sizes, repeats, prompts, sampling, raw_params) -> list[dict]:
     """Per size: raw ``LLM.generate`` on the engine's own ``LLM``, then ``VLLMEngine.generate``, alternated
     ``repeats`` times so that load changes on a shared machine hit both alike; the best of each counts
@@ -123,7 +129,9 @@ def bench_sizes(engine, sizes, repeats, prompts, sampling, raw_params) -> list[d
         raw_runs, our_runs = [], []
         for rep in range(reps):
             print(f"[bench] {size} sequences ({rep + 1}/{reps}): raw LLM.generate, then VLLMEngine.generate", flush=True)
+            cold(engine.llm)
             raw_out, raw_s, raw_cpu = timed_cpu(lambda: raw_generate(engine.llm, batch, raw_params))
+            cold(engine.llm)
             ours, ours_s, ours_cpu = timed_cpu(lambda: engine.generate(batch, sampling))
             raw_runs.append((raw_tokens(raw_out) / raw_s, raw_tokens(raw_out) / raw_cpu))
             our_runs.append((mugrpo_tokens(ours) / ours_s, mugrpo_tokens(ours) / ours_cpu))
@@ -145,6 +153,7 @@ def bench_raw_defaults(vllm, cfg, path, sizes, prompts, raw_params) -> dict:
     raw_generate(llm, prompts[:4], raw_params)  # warm-up
     rows = []
     for size in sizes:
+        cold(llm)
         out, seconds = timed(lambda: raw_generate(llm, prompts[:size // raw_params.n], raw_params))
         rows.append({"sequences": size, "tokens": raw_tokens(out), "seconds": seconds,
                      "tok_s": raw_tokens(out) / seconds})
@@ -159,6 +168,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, nargs="+", default=[3, 3, 1],
                         help="alternating raw/mugrpo repetitions per size (the last value repeats)")
     parser.add_argument("--tag", default="", help="suffix for the results file and the doc section")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch / OpenMP threads for every engine (default: torch's). On a shared machine "
+                             "1 thread is far steadier: 2 OpenMP threads that lose a core to another process "
+                             "spin at barriers and run several times slower")
     parser.add_argument("--dtype", default=Config().rollout.dtype, help="engine dtype (default: the config's)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the (slow) HF-engine comparison")
     parser.add_argument("--skip-subprocess", action="store_true", help="skip the subprocess-engine start-up/sync")
@@ -167,15 +180,21 @@ def main() -> None:
     parser.add_argument("--job-prompts", type=int, default=None,
                         help="prompts of the default job's stage for the HF-vs-vLLM comparison (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # vLLM then keeps torch at this count
+        torch.set_num_threads(args.threads)
 
     probe = Config()
     job_prompts = args.job_prompts or make_plan(probe).prompts_per_stage
     G = probe.rollout.group_size
     cfg, path, tokenizer, prompts, sampling = default_job(max(job_prompts, max(args.sizes) // G), args.dtype)
+    if args.threads:  # the subprocess engine core binds its own threads
+        cfg.rollout.vllm_cpu_threads_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
     results: dict = {"model": cfg.model.name, "dtype": args.dtype, "group_size": G, "argv": sys.argv[1:],
                      "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                      "cpu_count": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-                     "torch": torch.__version__, "load_average_start": os.getloadavg()[0]}
+                     "torch": torch.__version__, "threads": torch.get_num_threads(),
+                     "load_average_start": os.getloadavg()[0]}
 
     if not args.skip_hf:  # first, before vLLM binds this process's threads
         print(f"[bench] HF engine, default job: {job_prompts} prompts x {G}", flush=True)
@@ -205,6 +224,7 @@ def main() -> None:
     repeats = (args.repeats + args.repeats[-1:] * len(args.sizes))[:len(args.sizes)]
     results["throughput"] = bench_sizes(engine, args.sizes, repeats, prompts, sampling, raw_params)
     print(f"[bench] vLLM engine, default job: {job_prompts} prompts x {G}", flush=True)
+    cold(engine.llm)
     out, seconds = timed(lambda: engine.generate(prompts[:job_prompts], sampling))
     results["vllm_default_job"] = {"sequences": job_prompts * G, "new_tokens": mugrpo_tokens(out), "seconds": seconds,
                                    "tok_s": mugrpo_tokens(out) / seconds}
@@ -227,7 +247,8 @@ def write_doc(res: dict, tag: str = "") -> None:
     """Replace the results section of docs/VLLM.md (between the benchmark markers)."""
     begin, end = BEGIN.replace("benchmark", f"benchmark{tag}"), END.replace("benchmark", f"benchmark{tag}")
     lines = [begin, "",
-             f"Measured with vLLM {res['vllm']}, torch {res['torch']}, {res['cpu_count']} CPU cores, "
+             f"Measured with vLLM {res['vllm']}, torch {res['torch']}, {res['threads']} thread(s) on "
+             f"{res['cpu_count']} CPU cores, "
              f"{res['model']} in {res['dtype']}, n = {res['group_size']} samples per prompt, temperature "
              f"{res['temperature']:g}, up to {res['max_new_tokens']} new tokens (natural stop). Command: "
              f"`.venv-vllm/bin/python benchmarks/vllm_engine.py {' '.join(res['argv'])}`. Load average (1 min) at start / end: "
