@@ -63,6 +63,11 @@ SIZES = {
     # Validation of the script: every code path, minutes on a shared 2-core machine; numbers mean nothing.
     "smoke": Size(updates=8, stages=1, prompts_per_update=2, group_size=4, max_new_tokens=32, micro_batch_size=8,
                   eval_points=2, eval_prompts=8, eval_samples=1),
+    # The default job's own settings (mugrpo's config defaults: 32 updates x 64 sequences, 48 new tokens,
+    # lr 2e-5; mu-grpo 4 stages of mu = 8 vs grpo 8 stages of mu = 4), evaluated at 5 points on 64
+    # held-out prompts x 2 samples: about an hour on 2 cores with --engine vllm --bf16.
+    "default": Size(updates=32, stages=4, max_new_tokens=48, lr=2e-5, eval_points=4, eval_prompts=64,
+                    eval_samples=2),
     # The comparison: 128 updates x 64 sequences; mu-grpo 4 stages of mu = 32 vs grpo 32 stages of mu = 4.
     "full": Size(updates=128, stages=4),
 }
@@ -82,6 +87,7 @@ def mugrpo_overrides(size: Size, method: str, args) -> list[str]:
         f"schedule.micro_batch_size={size.micro_batch_size}", f"rollout.group_size={size.group_size}",
         f"rollout.max_new_tokens={size.max_new_tokens}", f"rollout.engine={args.engine}", f"optim.lr={size.lr}",
         f"train.seed={args.seed}", f"train.threads={args.threads}", f"train.autocast={'bf16' if args.bf16 else 'none'}",
+        f"rollout.dtype={'bfloat16' if args.bf16 else 'float32'}",
         "train.progress=false", "train.save_stage_text=false", "train.save_final_model=false",
         f"task.eval_size={size.eval_prompts}", "checkpoint.keep_last=1",
     ]
@@ -243,7 +249,8 @@ def main(argv=None) -> int:
         ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=None, help=f"override the size's {f}")
     ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     ap.add_argument("--engine", default="hf", choices=("hf", "vllm"), help="mugrpo rollout engine")
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast in mugrpo, bf16=True in TRL")
+    ap.add_argument("--bf16", action="store_true",
+                    help="mugrpo: bf16 autocast in the trainer and a bfloat16 rollout engine; TRL: bf16=True")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
