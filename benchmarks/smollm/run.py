@@ -91,6 +91,9 @@ def mugrpo_overrides(size: Size, method: str, args) -> list[str]:
         f"rollout.dtype={'bfloat16' if args.bf16 else 'float32'}",
         "train.progress=false", "train.save_stage_text=false", "train.save_final_model=false",
         f"task.eval_size={size.eval_prompts}", "checkpoint.keep_last=1",
+        # The benchmark evaluates with its own evaluator, off the clock; mugrpo's built-in evaluation
+        # (greedy, at the start and at stage ends) would stay on it, and grpo has twice the stages.
+        "eval.at_start=false", "eval.every_stages=0",
     ]
 
 
