@@ -112,6 +112,19 @@ def _perturbed(policy, scale=0.05, seed=1):
     return policy
 
 
+def _generate_after_sync(tiny, rollout_cfg, sampling):
+    """A fresh engine with ``rollout_cfg``, synced to perturbed weights, samples the prompts; returns
+    (the perturbed policy, the completions). The engine is closed before returning."""
+    path, tokenizer, prompts = tiny
+    engine = make_engine("vllm", path, tokenizer, rollout_cfg, seed=0)
+    try:
+        policy = _perturbed(load_policy(path))
+        engine.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+        return policy, engine.generate(prompts, sampling)
+    finally:
+        engine.close()
+
+
 def test_missing_vllm_error_names_the_install_command(monkeypatch):
     """Runs in the default suite (no vLLM needed): asking for vLLM without it fails clearly."""
     from mugrpo.engines.vllm import VLLMUnavailableError
@@ -215,15 +228,10 @@ def test_generation_is_seeded_and_leaves_the_global_rng_alone(tiny, engine_fp32)
 
 @pytest.mark.vllm
 def test_bf16_engine_parity_after_sync(tiny, shared):
-    path, tokenizer, prompts = tiny
+    prompts = tiny[2]
     shared.release()
-    engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="bfloat16"), seed=0)
-    try:
-        policy = _perturbed(load_policy(path))
-        engine.load_weights((n, p.detach()) for n, p in policy.named_parameters())
-        completions = engine.generate(prompts, SamplingConfig(n=8, temperature=1.0, max_new_tokens=24, seed=3))
-    finally:
-        engine.close()
+    policy, completions = _generate_after_sync(tiny, _rollout_cfg(dtype="bfloat16"),
+                                               SamplingConfig(n=8, temperature=1.0, max_new_tokens=24, seed=3))
     d = _deltas(policy, prompts, completions, 1.0)
     k3 = _report("bf16 engine vs fp32 trainer", d)
     # bf16 weights and activations (8-bit mantissa, relative error ~4e-3 per op) against fp32:
@@ -235,14 +243,9 @@ def test_bf16_engine_parity_after_sync(tiny, shared):
 
 @pytest.mark.vllm
 def test_subprocess_engine_syncs_through_shared_memory(tiny):
-    path, tokenizer, prompts = tiny
-    engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="float32", vllm_in_process=False), seed=0)
-    try:
-        policy = _perturbed(load_policy(path))
-        engine.load_weights((n, p.detach()) for n, p in policy.named_parameters())
-        completions = engine.generate(prompts, SamplingConfig(n=4, temperature=1.0, max_new_tokens=16, seed=3))
-    finally:
-        engine.close()
+    prompts = tiny[2]
+    policy, completions = _generate_after_sync(tiny, _rollout_cfg(dtype="float32", vllm_in_process=False),
+                                               SamplingConfig(n=4, temperature=1.0, max_new_tokens=16, seed=3))
     d = _deltas(policy, prompts, completions, 1.0)
     _report("subprocess fp32 engine after sync", d)
     assert d.abs().max() < 1e-4  # tolerance: see test_behavior_logprobs_match_trainer_fp32
