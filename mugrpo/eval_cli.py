@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from mugrpo.config import ConfigError, from_dict, load_config, parse_override, set_value
+from mugrpo.metrics import json_safe
 
 
 def add_arguments(p) -> None:
@@ -92,7 +93,7 @@ def run(args) -> int:
                        if source["run_dir"] else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(_clean(report), indent=1) + "\n")
+        Path(out).write_text(json.dumps(json_safe(report), indent=1) + "\n")
         print(f"[mugrpo] results written to {out}")
     if args.samples:
         Path(args.samples).parent.mkdir(parents=True, exist_ok=True)
@@ -202,16 +203,6 @@ def _bar(total: int, name: str):
 
 def _is_score(key: str) -> bool:
     return key.startswith(("greedy_acc", "avg_at_", "pass_at_"))
-
-
-def _clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clean(v) for v in value]
-    return value
 
 
 def format_table(results: dict[str, dict], overall: dict[str, float]) -> str:

@@ -21,9 +21,15 @@ from typing import Any
 from mugrpo.config import ConfigError
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) replaced by None, through dicts and lists, so
+    that ``json.dumps`` writes standard JSON."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -41,7 +47,7 @@ class JsonlLogger:
         self._fh = open(self.path, "a", buffering=1)
 
     def log(self, record: dict) -> None:
-        self._fh.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._fh.write(json.dumps(json_safe(record)) + "\n")
         self._fh.flush()
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from mugrpo import report_data as rd
+from mugrpo.metrics import json_safe
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
 _PHASE_COLORS = {"sync": "tab:purple", "generate": "tab:blue", "score": "tab:cyan", "optimize": "tab:orange",
@@ -109,7 +110,7 @@ def write_report(runs: list[rd.Run], out: Path, levels=None, eval_levels=None, e
         "reward_levels": _reach_table(runs, rewards, levels),
         "eval_levels": _reach_table(runs, evals, eval_levels) if evals else [],
     }
-    (out / "summary.json").write_text(json.dumps(_json_clean(data), indent=1) + "\n")
+    (out / "summary.json").write_text(json.dumps(json_safe(data), indent=1) + "\n")
     (out / "summary.md").write_text(_markdown(title, runs, data, [p.name for p in written]))
     return written + [out / "summary.json", out / "summary.md"]
 
@@ -307,13 +308,3 @@ def _reach_section(key: str, table: list[dict], runs) -> list[str]:
         rows.append(cells)
     note = (f"Speed-up = {labels[0]}'s time / the run's time (> 1: faster than {labels[0]}).\n" if len(labels) > 1 else "")
     return [f"## Training clock to first reach {key} levels\n", _table(header, rows), note]
-
-
-def _json_clean(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_clean(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_clean(v) for v in value]
-    return value
