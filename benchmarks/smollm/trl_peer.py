@@ -92,6 +92,7 @@ def main(argv=None) -> int:
         loss_type="dapo", scale_rewards="group", shuffle_dataset=False, num_iterations=1, bf16=args.bf16,
         use_cpu=True, seed=args.seed, logging_steps=1, report_to="none", save_strategy="no",
         disable_dropout=True, log_completions=False, dataloader_num_workers=0,
+        gradient_checkpointing=False,  # TRL's GRPOConfig turns it on by default; mugrpo's default is off
         model_init_kwargs={"dtype": torch.float32})
 
     eval_prompts = [prompt_ids(tokenizer, it.question, cfg.task) for it in task.eval_items]
