@@ -3,7 +3,7 @@
 One command (sizes in :data:`SIZES`; every field can be overridden on the command line)::
 
     PYTHONPATH=. python -m benchmarks.smollm.run --size smoke   # validation: a few updates, ~minutes
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.run --size default --engine vllm --bf16  # ~2 h
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.run --size default --engine vllm --bf16  # ~1.5 h
     PYTHONPATH=. python -m benchmarks.smollm.run --size full    # the real comparison (hours on 2 cores)
 
 The three methods train the same model (the built-in offline SmolLM2-135M-Instruct) on the default
