@@ -87,7 +87,10 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: Literal["auto", "hf", "vllm"] = "auto"
+    """``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
+    (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_stage: Optional[int] = None
@@ -101,8 +104,9 @@ class RolloutConfig:
     """0 disables top-k."""
     batch_size: int = 64
     """Sequences per HF generate call (the vLLM engine batches on its own)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Engine weights' dtype."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine weights' dtype. ``auto``: the trainer's precision (bfloat16 when ``train.autocast``
+    resolves to bf16, else float32), resolved at start and printed in the plan."""
     # vLLM engine knobs (ignored by the HF engine). See mugrpo/engines/vllm.py and docs/VLLM.md.
     vllm_max_model_len: Optional[int] = None
     """Prompt + response token limit; null: the model's max_position_embeddings."""
@@ -137,8 +141,14 @@ class ScheduleConfig:
     """K: number of generate-then-optimise stages."""
     prompts_per_update: int = 8
     """Prompt groups per optimizer update (each contributes G sequences)."""
-    micro_batch_size: int = 16
-    """Sequences per forward/backward; gradients are accumulated up to the update."""
+    micro_batch_tokens: int = 2048
+    """Token budget of one forward/backward: rows (a prompt with its group's responses, or one
+    sequence without ``train.shared_prefix``) are sorted by length and packed until rows x the
+    longest row would exceed it, so one long response does not pad many short ones; a group too
+    long for the budget is split over several rows. Gradients are accumulated up to the update, so
+    the budget changes speed and memory, never the update."""
+    micro_batch_size: Optional[int] = None
+    """Optional cap on sequences per micro-batch on top of the token budget; null: no cap."""
 
 
 @dataclass
@@ -185,11 +195,22 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     seed: int = 0
-    autocast: Literal["none", "bf16"] = "bf16"
-    """bf16 autocast for the trainer's forward/backward (2-2.5x faster on AVX-512-bf16 CPUs); log-probs
-    are still taken in float32. The engine samples in ``rollout.dtype``, so with bf16 here the ratio
-    at a stage's first update is 1 only up to bf16 rounding (see ``stage/engine_logprob_mismatch``);
-    ``none`` makes it exact."""
+    autocast: Literal["auto", "none", "bf16"] = "auto"
+    """bf16 autocast for the trainer's forward/backward; log-probs are still taken in float32.
+    ``auto``: bf16 where the device computes it natively (CUDA, or a CPU with AVX512-BF16 or AMX:
+    2-2.5x faster than fp32 there), float32 elsewhere (on an AVX2-only CPU bf16 was measured 23x
+    slower); resolved at start and printed in the plan. With bf16 the ratio at a stage's first update
+    is 1 only up to bf16 rounding (see ``stage/engine_logprob_mismatch``); ``none`` makes it exact."""
+    skip_zero_advantage: bool = True
+    """Give sequences whose advantage is exactly 0 no forward and no backward when no loss term
+    depends on them (``loss.kl_beta`` = 0 and ``loss.entropy_coef`` = 0). The loss normaliser still
+    counts their tokens (from the stored masks), so the update is the same up to float rounding;
+    the log-prob diagnostics then cover the trained sequences (``loss/trained_seq_frac``)."""
+    shared_prefix: bool = True
+    """Encode each group's prompt once per micro-batch row, with the group's responses attending to
+    it (a block attention mask), instead of once per response; gradients equal the unshared
+    forward's up to float rounding. Llama / Qwen2 / Qwen3 with sdpa or eager attention; other
+    models fall back to the unshared path with a one-line notice."""
     threads: Optional[int] = None
     """torch intra-op threads (null: torch's default)."""
     deterministic: bool = False
@@ -450,8 +471,10 @@ def _check(ok: bool, key: str, accepted: str, value: Any) -> None:
 def validate(cfg: Config) -> None:
     """Range and consistency checks; raises ConfigError naming the key."""
     s, r, loss, o = cfg.schedule, cfg.rollout, cfg.loss, cfg.optim
-    for key in ("total_updates", "prompts_per_update", "micro_batch_size"):
+    for key in ("total_updates", "prompts_per_update", "micro_batch_tokens"):
         _check(getattr(s, key) >= 1, f"schedule.{key}", "an integer >= 1", getattr(s, key))
+    if s.micro_batch_size is not None:
+        _check(s.micro_batch_size >= 1, "schedule.micro_batch_size", "an integer >= 1 or null", s.micro_batch_size)
     if s.updates_per_stage is None and s.num_stages is None:
         raise ConfigError("schedule.updates_per_stage and schedule.num_stages are both null; set one")
     if s.updates_per_stage is not None:

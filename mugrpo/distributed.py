@@ -108,6 +108,14 @@ def sum_over_ranks(t: torch.Tensor) -> torch.Tensor:
     return out.to(t.device)
 
 
+def max_over_ranks(value: int) -> int:
+    if not _active():
+        return value
+    out = torch.tensor([value], dtype=torch.int64, device=_device())
+    tdist.all_reduce(out, op=tdist.ReduceOp.MAX)
+    return int(out[0])
+
+
 def mean_over_ranks(num, count) -> float:
     """sum(num) / sum(count) over ranks, as a float."""
     pair = torch.tensor([float(num), float(count)], dtype=torch.float64)

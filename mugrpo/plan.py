@@ -29,8 +29,8 @@ class Plan:
     sequences_per_update: int
     world_size: int
     sequences_per_update_per_rank: int
-    micro_batch_size: int
-    micro_batches_per_update: int
+    micro_batch_tokens: int
+    micro_batch_size: int | None
     passes_per_stage: float
     max_staleness: int
     weight_syncs: int
@@ -76,12 +76,6 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
             "so that whole prompt groups stay on one rank"
         )
     per_rank = seq_per_update // world_size
-    if per_rank % s.micro_batch_size:
-        raise ConfigError(
-            f"sequences per update per rank ({s.prompts_per_update} prompts x G={r.group_size} / "
-            f"{world_size} ranks = {per_rank}) is not a multiple of schedule.micro_batch_size="
-            f"{s.micro_batch_size}; choose a micro_batch_size that divides {per_rank}"
-        )
     return Plan(
         num_stages=stages,
         updates_per_stage=mu,
@@ -93,15 +87,20 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
         sequences_per_update=seq_per_update,
         world_size=world_size,
         sequences_per_update_per_rank=per_rank,
+        micro_batch_tokens=s.micro_batch_tokens,
         micro_batch_size=s.micro_batch_size,
-        micro_batches_per_update=per_rank // s.micro_batch_size,
         passes_per_stage=mu * s.prompts_per_update / prompts_per_stage,
         max_staleness=mu - 1,
         weight_syncs=stages,
     )
 
 
-def format_plan(plan: Plan, cfg: Config) -> str:
+def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
+    """The plan as an aligned table; with ``resolved`` (:class:`mugrpo.hardware.Resolved`) also the
+    machine and the concrete values of the ``auto`` settings."""
+    micro = f"{plan.micro_batch_tokens} tokens"
+    if plan.micro_batch_size is not None:
+        micro += f", at most {plan.micro_batch_size} sequences"
     rows = [
         ("preset", cfg.preset),
         ("stages (K)", plan.num_stages),
@@ -115,14 +114,23 @@ def format_plan(plan: Plan, cfg: Config) -> str:
         ("sequences per update", plan.sequences_per_update),
         ("ranks", plan.world_size),
         ("sequences per update per rank", plan.sequences_per_update_per_rank),
-        ("micro-batch size (sequences)", plan.micro_batch_size),
-        ("micro-batches per update per rank", plan.micro_batches_per_update),
+        ("micro-batch budget", micro),
         ("passes over each stage's data", f"{plan.passes_per_stage:g}"),
         ("staleness range (updates)", f"0 .. {plan.max_staleness}"),
         ("clip range", _clip_text(cfg)),
         ("veto", "none" if cfg.loss.veto_scope == "none"
          else f"{cfg.loss.veto_scope}, delta={cfg.loss.veto_delta:g}"),
+        ("zero-advantage skip", "on" if cfg.train.skip_zero_advantage else "off"),
+        ("shared-prefix forward", "on" if cfg.train.shared_prefix else "off"),
     ]
+    if resolved is not None:
+        rows += [
+            ("device", resolved.hardware.describe()),
+            ("trainer precision", f"{'bf16 autocast' if resolved.autocast == 'bf16' else 'float32'}"
+                                  f" (train.autocast={cfg.train.autocast})"),
+            ("rollout engine", f"{resolved.engine}, {resolved.engine_dtype} (rollout.engine={cfg.rollout.engine}, "
+                               f"rollout.dtype={cfg.rollout.dtype})"),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -13,7 +13,7 @@ data (:mod:`mugrpo.data`), checkpoints (:mod:`mugrpo.checkpoint`), engines
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -24,18 +24,21 @@ import torch
 from mugrpo import checkpoint as ckpt
 from mugrpo import distributed as dist
 from mugrpo.advantages import group_advantages
-from mugrpo.config import Config, dump_yaml
-from mugrpo.data import StageData, collate, write_stage_text
+from mugrpo.batching import micro_batches, sequences_to_train
+from mugrpo.config import Config
+from mugrpo.data import StageData, write_stage_text
 from mugrpo.engines import SamplingConfig, make_engine
-from mugrpo.faults import maybe_die, should_poison
 from mugrpo.evaluate import TrainingEvaluator
-from mugrpo.logprobs import token_logprobs
+from mugrpo.faults import maybe_die, should_poison
+from mugrpo.forward import response_logprobs, shared_prefix_support
+from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.losses import finalize_metrics, policy_loss
 from mugrpo.metrics import NullLogger, make_logger
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
 from mugrpo.tasks import build_task, prompt_ids
+from mugrpo.veto import veto_mask
 
 
 class TrainingError(RuntimeError):
@@ -66,6 +69,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     run_dir = Path(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
+    resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
     if not resume:
         ckpt.check_run_dir_free(run_dir)
     _configure_torch(cfg)
@@ -88,11 +92,14 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
         if world.is_main:
             ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
-    engine = make_engine(cfg.rollout.engine, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
+    engine = make_engine(resolved.engine, model_path, tokenizer,
+                         dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
     logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
     progress = Progress(enabled=cfg.train.progress and world.is_main)
     if world.is_main:
-        print(format_plan(plan, cfg))
+        print(format_plan(plan, cfg, resolved))
+        for note in resolved.notes + _layout_notes(policy, cfg):
+            print(f"[mugrpo] {note}")
     t_start = time.perf_counter() - state.elapsed_s
     evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
     stopper = ckpt.GracefulStop()
@@ -117,7 +124,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             while state.update_in_stage < plan.updates_per_stage:
                 t_update = time.perf_counter()
                 metrics = optimizer_update(policy, optimizer, scheduler, data, state, cfg, plan, world, device,
-                                           ref_model)
+                                           ref_model, resolved)
                 state.update += 1
                 state.update_in_stage += 1
                 metrics.update({"perf/update_s": time.perf_counter() - t_update, "stage/staleness":
@@ -158,6 +165,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         stopper.restore()
         logger.close()
         engine.close()
+
+
+def _layout_notes(policy, cfg: Config) -> list[str]:
+    if not cfg.train.shared_prefix:
+        return []
+    supported, _, reason = shared_prefix_support(policy)
+    return [] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"]
 
 
 def _record(kind: str, state: RunState, t_start: float, metrics: dict, update_in_stage: int) -> dict:
@@ -303,62 +317,69 @@ def _check_prompt_lengths(prompts, indices, cfg: Config):
 # Optimisation phase.
 
 
-def sequence_logprobs(model, mb, temperature: float, autocast: bool, with_entropy: bool, entropy_grad: bool):
-    """Trainer log-probs of the micro-batch's response tokens (and entropy), [B, R]."""
-    device_type = mb.input_ids.device.type
-    ctx = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-    with ctx:
-        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                       logits_to_keep=mb.response_len + 1, use_cache=False).logits[:, :-1]
-    logprobs, entropy = token_logprobs(logits, mb.response_ids, temperature, with_entropy and entropy_grad)
-    if with_entropy and not entropy_grad:
-        with torch.no_grad():
-            _, entropy = token_logprobs(logits.detach(), mb.response_ids, temperature, True)
-    return logprobs, entropy
-
-
 def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunState, cfg: Config, plan: Plan,
-                     world, device, ref_model=None) -> dict:
-    """One optimizer update on this update's minibatch of the stage data; returns finalised metrics."""
+                     world, device, ref_model=None, resolved: Resolved | None = None) -> dict:
+    """One optimizer update on this update's minibatch of the stage data; returns finalised metrics.
+
+    Only the sequences that can move the update are computed (:mod:`mugrpo.batching`): zero-advantage
+    sequences are skipped when no loss term depends on them, each group's prompt is encoded once,
+    and micro-batches are cut by tokens. The normaliser still counts every sequence of the update.
+    """
+    resolved = resolved or resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect())
+    autocast = resolved.autocast == "bf16"
     groups = dist.rank_update_groups(data, plan.prompts_per_update // world.size, state.update_in_stage,
                                      cfg.train.seed, state.stage)
-    G = data.group_size
+    G, lc = data.group_size, cfg.loss
     seqs = [g * G + j for g in groups for j in range(G)]
-    micro = [seqs[i:i + plan.micro_batch_size] for i in range(0, len(seqs), plan.micro_batch_size)]
-    batches = [collate(data, m, pad_id=0).to(device) for m in micro]
-    lc = cfg.loss
-    autocast = cfg.train.autocast == "bf16"
-    temperature = cfg.rollout.temperature
-    if lc.aggregation == "token-mean":
-        local_den = sum(b.response_mask.sum() for b in batches).float()
-    else:
-        local_den = torch.tensor(float(len(seqs)))
-    if lc.veto_normalizer == "post_veto":
-        local_den = _post_veto_denominator(policy, batches, cfg, local_den)
-    denominator = dist.sum_over_ranks(local_den.to(device)).clamp(min=1)
-    summed: dict[str, torch.Tensor] = {}
+    skip = cfg.train.skip_zero_advantage and lc.kl_beta == 0 and lc.entropy_coef == 0
+    trained = sequences_to_train(data, seqs, skip)
+    shared, mask_dtype, _ = shared_prefix_support(policy) if cfg.train.shared_prefix else (False, None, "")
+    layout = dict(shared=shared, budget=cfg.schedule.micro_batch_tokens, max_seqs=cfg.schedule.micro_batch_size,
+                  pad_id=0, mask_dtype=mask_dtype or torch.bool)
+    batches = [b.to(device) for b in micro_batches(data, trained, **layout)]
+    real = len(batches)
+    denominator = dist.sum_over_ranks(_denominator(policy, data, seqs, trained, batches, cfg, autocast).to(device))
+    denominator = denominator.clamp(min=1)
+    # Under FSDP2 every rank must run as many forward/backward passes as the busiest one (each is a
+    # collective); a rank with fewer repeats a real micro-batch (or builds one) with its loss times 0.
+    num_passes = dist.max_over_ranks(real)
+    if real < num_passes:
+        filler = batches[:1] or [b.to(device) for b in micro_batches(data, seqs[:1], **layout)]
+        batches += filler * (num_passes - real)
+    loss_kwargs = _loss_kwargs(cfg, denominator)
+    summed = _zero_metrics(loss_kwargs, with_ref=ref_model is not None)
+    summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
     poison = should_poison("loss")  # test hook: makes this update's loss NaN
     for i, mb in enumerate(batches):
         with dist.no_sync_unless_last(policy, i == len(batches) - 1):
-            logprobs, entropy = sequence_logprobs(policy, mb, temperature, autocast, True, lc.entropy_coef > 0)
+            logprobs, entropy = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, True,
+                                                  lc.entropy_coef > 0)
             ref_logprobs = None
             if ref_model is not None:
                 with torch.no_grad():
-                    ref_logprobs, _ = sequence_logprobs(ref_model, mb, temperature, autocast, False, False)
-            loss, metrics = policy_loss(
-                logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, denominator=denominator,
-                clip_mode=lc.clip_mode, clip_eps_low=lc.clip_eps_low, clip_eps_high=lc.clip_eps_high,
-                dual_clip_c=lc.dual_clip_c, m2po_budget=lc.m2po_budget, veto_scope=lc.veto_scope,
-                veto_delta=lc.veto_delta, post_veto_normalizer=lc.veto_normalizer == "post_veto",
-                aggregation=lc.aggregation, seq_len_norm=cfg.rollout.max_new_tokens, ref_logprobs=ref_logprobs,
-                kl_beta=lc.kl_beta, entropy=entropy, entropy_coef=lc.entropy_coef)
+                    ref_logprobs, _ = response_logprobs(ref_model, mb, cfg.rollout.temperature, autocast, False, False)
+            loss, metrics = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask,
+                                        ref_logprobs=ref_logprobs, entropy=entropy, **loss_kwargs)
             if poison:
                 loss = loss * float("nan")
+            if i >= real:  # a filler pass: the collectives run, nothing is added
+                loss = loss * 0.0
             # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
             (loss * world.size).backward()
-        for key, value in metrics.items():
-            summed[key] = summed.get(key, 0) + value.cpu()
-    summed = dist.sum_metrics(summed)
+        if i < real:
+            for key, value in metrics.items():
+                summed[key] = summed[key] + value.cpu()
+    if not batches:
+        # Nothing to compute (every sequence has A = 0): the gradient is exactly zero, as the plain
+        # path's would be, and AdamW still steps (moments decay, weight decay applies).
+        _zero_grads(policy)
+        if poison:
+            summed["loss/total"] = summed["loss/total"] * float("nan")
+    return _step(policy, optimizer, scheduler, dist.sum_metrics(summed), state, cfg)
+
+
+def _step(policy, optimizer, scheduler, summed: dict, state: RunState, cfg: Config) -> dict:
+    """Clip, step (or skip a non-finite update), and finalise the update's metrics."""
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.max_grad_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     loss_value = float(summed["loss/total"][0])
@@ -386,21 +407,59 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
     return out
 
 
-@torch.no_grad()
-def _post_veto_denominator(policy, batches, cfg: Config, pre_veto_den: torch.Tensor) -> torch.Tensor:
-    """Kept-token (or kept-sequence) count after the veto, from one extra no-grad forward pass."""
-    from mugrpo.veto import veto_mask
+def _loss_kwargs(cfg: Config, denominator) -> dict:
+    lc = cfg.loss
+    return dict(denominator=denominator, clip_mode=lc.clip_mode, clip_eps_low=lc.clip_eps_low,
+                clip_eps_high=lc.clip_eps_high, dual_clip_c=lc.dual_clip_c, m2po_budget=lc.m2po_budget,
+                veto_scope=lc.veto_scope, veto_delta=lc.veto_delta,
+                post_veto_normalizer=lc.veto_normalizer == "post_veto", aggregation=lc.aggregation,
+                seq_len_norm=cfg.rollout.max_new_tokens, kl_beta=lc.kl_beta, entropy_coef=lc.entropy_coef)
 
-    kept = torch.zeros(())
+
+def _zero_metrics(loss_kwargs: dict, with_ref: bool) -> dict[str, torch.Tensor]:
+    """Every metric key of :func:`policy_loss`, as zero [numerator, denominator] pairs.
+
+    Every rank starts from the same keys, whether or not it has sequences to train, so the
+    metric all-reduce lines up; an update with nothing to train reports NaN fractions and loss 0.
+    """
+    one = torch.zeros(1, 1)
+    _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), ref_logprobs=one if with_ref else None,
+                             entropy=one, **loss_kwargs)
+    return {key: torch.zeros_like(value) for key, value in metrics.items()}
+
+
+def _zero_grads(policy) -> None:
+    for p in policy.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _denominator(policy, data: StageData, seqs: list[int], trained: list[int], batches, cfg: Config,
+                 autocast: bool) -> torch.Tensor:
+    """This rank's share of the update's loss normaliser, counted over ALL of ``seqs``, skipped ones included.
+
+    token-mean: response tokens; seq-mean modes: sequences. With ``loss.veto_normalizer=post_veto``
+    the vetoed tokens (or wholly vetoed sequences) leave the count, which takes one extra no-grad
+    forward of the trained micro-batches (the veto needs the current log-probs). A skipped
+    sequence has A = 0, which the veto never touches, so it counts in full.
+    """
+    token_mean = cfg.loss.aggregation == "token-mean"
+    post_veto = cfg.loss.veto_normalizer == "post_veto"
+    counted = set(trained) if post_veto else set()
+    lengths = [len(data.responses[s]) for s in seqs if s not in counted]
+    total = float(sum(lengths)) if token_mean else float(sum(n > 0 for n in lengths) if post_veto else len(lengths))
+    if post_veto:
+        total += _kept_after_veto(policy, batches, cfg, autocast, token_mean)
+    return torch.tensor(total)
+
+
+@torch.no_grad()
+def _kept_after_veto(policy, batches, cfg: Config, autocast: bool, token_mean: bool) -> float:
+    kept = 0.0
     for mb in batches:
-        logprobs, _ = sequence_logprobs(policy, mb, cfg.rollout.temperature, cfg.train.autocast == "bf16",
-                                        False, False)
+        logprobs, _ = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, False, False)
         veto = veto_mask(logprobs - mb.behavior_logprobs, mb.advantages, mb.response_mask,
                          delta=cfg.loss.veto_delta, scope=cfg.loss.veto_scope)
         keep = mb.response_mask & ~veto.vetoed
-        kept += keep.sum().float().cpu() if cfg.loss.aggregation == "token-mean" else keep.any(1).sum().float().cpu()
-    return kept  # clamped to >= 1 once summed over ranks
-
-
-def format_run_header(cfg: Config, plan: Plan) -> str:
-    return dump_yaml(cfg) + "\n" + format_plan(plan, cfg)
+        kept += float(keep.sum()) if token_mean else float(keep.any(1).sum())
+    return kept

@@ -6,10 +6,10 @@ from mugrpo.plan import make_plan
 
 def test_mu_grpo_default_plan():
     # 32 updates / 4 stages = mu 8; 8 prompts/update x 8 updates = 64 prompts/stage (one pass);
-    # 8 prompts x G 8 = 64 sequences/update = 4 micro-batches of 16; staleness 0..7.
+    # 8 prompts x G 8 = 64 sequences/update, micro-batches cut by a 2048-token budget; staleness 0..7.
     p = make_plan(load_config("mu-grpo"))
     assert (p.num_stages, p.updates_per_stage, p.prompts_per_stage) == (4, 8, 64)
-    assert (p.sequences_per_update, p.micro_batches_per_update, p.max_staleness) == (64, 4, 7)
+    assert (p.sequences_per_update, p.micro_batch_tokens, p.micro_batch_size, p.max_staleness) == (64, 2048, None, 7)
     assert p.passes_per_stage == 1.0 and p.weight_syncs == 4
 
 
@@ -24,16 +24,17 @@ def test_passes_over_stage_data_are_derived():
     assert p.passes_per_stage == 4.0 and p.sequences_per_stage == 128
 
 
-def test_world_size_splits_micro_batches():
-    # 64 sequences / 2 ranks = 32 per rank = 2 micro-batches of 16.
+def test_world_size_splits_sequences():
+    # 64 sequences / 2 ranks = 32 per rank.
     p = make_plan(load_config("mu-grpo"), world_size=2)
-    assert p.sequences_per_update_per_rank == 32 and p.micro_batches_per_update == 2
+    assert p.sequences_per_update_per_rank == 32
 
 
 @pytest.mark.parametrize("overrides,needle", [
     (["schedule.total_updates=30"], "not a multiple of schedule.num_stages"),
     (["schedule.updates_per_stage=16"], "set one of them to null"),
-    (["schedule.micro_batch_size=24"], "micro_batch_size"),
+    (["schedule.micro_batch_tokens=0"], "micro_batch_tokens"),
+    (["schedule.micro_batch_size=0"], "micro_batch_size"),
     (["rollout.prompts_per_stage=4"], "exceeds rollout.prompts_per_stage"),
     (["schedule.num_stages=null"], "both null"),
 ])
@@ -43,6 +44,6 @@ def test_impossible_plans_are_refused(overrides, needle):
 
 
 def test_ranks_must_divide_prompt_groups():
-    cfg = load_config("mu-grpo", overrides=["schedule.prompts_per_update=3", "schedule.micro_batch_size=8"])
+    cfg = load_config("mu-grpo", overrides=["schedule.prompts_per_update=3"])
     with pytest.raises(ConfigError, match="divisible by the number of ranks"):
         make_plan(cfg, world_size=2)

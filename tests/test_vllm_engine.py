@@ -26,7 +26,7 @@ from mugrpo.engines import make_engine
 from mugrpo.engines.base import SamplingConfig
 from mugrpo.models import load_policy, load_tokenizer
 from mugrpo.tiny import build_tiny_model
-from mugrpo.trainer import sequence_logprobs
+from mugrpo.forward import response_logprobs
 
 PROMPTS = ["u:Calculate 5 - 3.\na:", "u:Hi\na:", "u:What is 7 + 1?\na:", "u:Say 111\na:"]
 
@@ -90,7 +90,7 @@ def _deltas(policy, prompts, completions, temperature):
                      list(range(len(prompts))), n)
     mb = collate(data, list(range(len(flat))), pad_id=0)
     with torch.no_grad():
-        logprobs, _ = sequence_logprobs(policy, mb, temperature, False, False, False)
+        logprobs, _ = response_logprobs(policy, mb, temperature, False, False, False)
     return (logprobs - mb.behavior_logprobs)[mb.response_mask]
 
 

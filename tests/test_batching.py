@@ -1,0 +1,208 @@
+"""The exact speed-ups of the optimisation phase (mugrpo.batching, mugrpo.forward) against the plain path.
+
+Shared-prefix rows, the zero-advantage skip and token-budget micro-batches must give the plain
+path's per-token log-probs and every parameter's gradient, in float32, to a relative 1e-5.
+"""
+import pytest
+import torch
+from conftest import TINY_OVERRIDES
+
+from mugrpo.batching import block_mask, make_rows, micro_batches, pack_rows, sequences_to_train
+from mugrpo.config import load_config
+from mugrpo.data import StageData, collate
+from mugrpo.distributed import World
+from mugrpo.forward import response_logprobs, shared_prefix_support
+from mugrpo.models import load_policy
+from mugrpo.plan import make_plan
+from mugrpo.trainer import RunState, optimizer_update
+
+
+def _stage(vocab: int, prompt_lens, response_lens, G: int, advantages=None, seed: int = 0) -> StageData:
+    """Random tokens: groups with the given prompt lengths, G responses each with the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
+    responses = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in response_lens]
+    behavior = [(-torch.rand(n, generator=gen) * 3).tolist() for n in response_lens]
+    S = len(response_lens)
+    adv = torch.tensor(advantages, dtype=torch.float32) if advantages is not None else torch.randn(S, generator=gen)
+    return StageData(prompts, responses, behavior, torch.zeros(S), adv, torch.ones(S, dtype=torch.bool),
+                     list(range(len(prompt_lens))), G)
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _logprobs_and_grads(model, mb, weights):
+    """Per-token log-probs [S, R] and the gradient of sum(weights * logprobs) for every parameter."""
+    model.zero_grad(set_to_none=True)
+    logprobs, _ = response_logprobs(model, mb, 1.0, False, False, False)
+    (logprobs * weights * mb.response_mask).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return logprobs.detach(), grads
+
+
+def _check_shared_equals_plain(model, data: StageData, budget: int, grad_tol: float = 1e-5):
+    supported, mask_dtype, reason = shared_prefix_support(model)
+    assert supported, reason
+    seqs = list(range(len(data.responses)))
+    plain = collate(data, seqs, pad_id=0)
+    dtype = next(model.parameters()).dtype
+    weights = torch.randn(plain.response_ids.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    plain.behavior_logprobs = plain.behavior_logprobs.to(dtype)
+    ref_lp, ref_grads = _logprobs_and_grads(model, plain, weights)
+    shared = micro_batches(data, seqs, shared=True, budget=budget, max_seqs=None, pad_id=0, mask_dtype=mask_dtype)
+    grads = {n: torch.zeros_like(g) for n, g in ref_grads.items()}
+    lp = torch.zeros_like(ref_lp)
+    for mb in shared:
+        # The micro-batch's sequences, in its order, are the rows' sequences; map them back.
+        order = [s for s in _seqs_of(mb, data)]
+        w = weights[order, :mb.response_len]
+        lp_mb, g_mb = _logprobs_and_grads(model, mb, w)
+        lp[order, :mb.response_len] = lp_mb
+        for n in grads:
+            grads[n] += g_mb[n]
+    mask = plain.response_mask
+    torch.testing.assert_close(lp[mask], ref_lp[mask], rtol=1e-5, atol=1e-6)
+    for name, g in ref_grads.items():
+        assert _relative_error(grads[name], g) <= grad_tol, name
+    return shared
+
+
+def _seqs_of(mb, data: StageData) -> list[int]:
+    """Which stage sequences a shared micro-batch holds (matched by response tokens, all distinct here)."""
+    index = {tuple(r): s for s, r in enumerate(data.responses)}
+    out = []
+    for row, n in zip(mb.response_ids, mb.response_mask.sum(1)):
+        out.append(index[tuple(row[:int(n)].tolist())])
+    return out
+
+
+def test_block_mask_by_hand():
+    # One row: prompt (2 tokens), response 1 (2 tokens), response 2 (1 token), 1 padding position.
+    segment = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],  # prompt token 0: itself
+        [1, 1, 0, 0, 0, 0],  # prompt token 1: causal over the prompt
+        [1, 1, 1, 0, 0, 0],  # response 1, token 0: prompt + itself
+        [1, 1, 1, 1, 0, 0],  # response 1, token 1: prompt + response 1
+        [1, 1, 0, 0, 1, 0],  # response 2: prompt + itself, never response 1
+        [0, 0, 0, 0, 0, 1],  # padding: itself only (no empty softmax row)
+    ], dtype=torch.bool)
+    assert torch.equal(block_mask(segment)[0, 0], expected)
+    additive = block_mask(segment, torch.float32)[0, 0]
+    assert additive[4, 2] == torch.finfo(torch.float32).min and additive[4, 4] == 0
+
+
+def test_rows_split_groups_and_pack_by_tokens():
+    # G = 3; group 0: prompt 4, responses 3, 5, 2; group 1: prompt 2, responses 1, 1, 6.
+    data = _stage(20, [4, 2], [3, 5, 2, 1, 1, 6], G=3)
+    # Budget 10, shared rows (prompt + responses): group 0's 4 + 3 = 7 fits; adding 5 makes 12, so
+    # response 1 starts a row (4 + 5 = 9); adding 2 makes 11, so response 2 starts one (6). Group 1:
+    # 2 + 1 + 1 + 6 = 10 fits in one row.
+    rows = make_rows(data, list(range(6)), shared=True, budget=10)
+    assert rows == [(0, [0]), (0, [1]), (0, [2]), (1, [3, 4, 5])]
+    # Packing, longest first (10, 9, 7, 6): any two rows cost 2 x >= 6 x ... > 10, so each is alone.
+    batches = pack_rows(data, rows, shared=True, budget=10, max_seqs=None)
+    assert [[r[1] for r in b] for b in batches] == [[[3, 4, 5]], [[1]], [[0]], [[2]]]
+    # Budget 20: group 0 is one row (4 + 3 + 5 + 2 = 14), group 1 one row (10); 2 x 14 = 28 > 20.
+    batches = pack_rows(data, make_rows(data, list(range(6)), True, 20), shared=True, budget=20, max_seqs=None)
+    assert [[r[1] for r in b] for b in batches] == [[[0, 1, 2]], [[3, 4, 5]]]
+    # Plain rows pad prompt and response apart: rows x (longest prompt + longest response). Longest
+    # first: s1 (4+5), s5 (2+6) -> 2 x (4+6) = 20 fits; s0 (4+3) -> 3 x 10 > 20, new; s2 (4+2) -> 2 x 7
+    # fits; s3 (2+1) -> 3 x 7 > 20, new; s4 -> 2 x 3 fits. max_seqs=2 caps nothing further here.
+    plain = pack_rows(data, make_rows(data, list(range(6)), False, 20), shared=False, budget=20, max_seqs=2)
+    assert [[ss[0] for _, ss in b] for b in plain] == [[1, 5], [0, 2], [3, 4]]
+
+
+def test_zero_advantage_sequences_are_not_trained():
+    data = _stage(20, [3, 3], [2, 2, 2, 2], G=2, advantages=[0.0, 0.0, 1.0, -1.0])
+    assert sequences_to_train(data, [0, 1, 2, 3], True) == [2, 3]
+    assert sequences_to_train(data, [0, 1, 2, 3], False) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("budget,dtype", [(4096, torch.float32), (40, torch.float32), (40, torch.float64)])
+def test_shared_prefix_matches_plain_on_tiny_model(tiny_model_dir, budget, dtype):
+    model = load_policy(tiny_model_dir, dtype=dtype)
+    # Prompts of different lengths, responses of different lengths (left-padding in the plain path).
+    data = _stage(model.config.vocab_size, [7, 12, 5], [3, 9, 1, 6, 4, 4, 2, 11, 8], G=3)
+    # float64: HF's RMSNorm still computes in float32 whatever the dtype, so some float32 rounding
+    # remains (measured up to 4e-8 relative), and 1e-6 is far tighter than float32 allows.
+    batches = _check_shared_equals_plain(model, data, budget, grad_tol=1e-5 if dtype == torch.float32 else 1e-6)
+    assert (len(batches) == 1) if budget == 4096 else (len(batches) > 1)  # 40 tokens: split rows, several batches
+
+
+def test_shared_prefix_matches_plain_on_smollm2():
+    from mugrpo.models import resolve_model_path
+
+    model = load_policy(resolve_model_path("smollm2-135m-instruct"))
+    assert model.config.model_type == "llama"
+    data = _stage(model.config.vocab_size, [40, 33], [6, 9, 3, 7, 5, 8, 4, 2], G=4)
+    # Per-token log-probs to 1e-5. Gradients: the 30-layer model's float32 rounding floor is higher
+    # than 1e-5. The PLAIN path split into two micro-batches instead of one differs from itself by up
+    # to 1.2e-5 (relative norm, a layer-norm weight) on this very batch (measured 2026-12-01), so the
+    # gradients get 3e-5: a wrong mask or position would be off by orders of magnitude more.
+    _check_shared_equals_plain(model, data, budget=4096, grad_tol=3e-5)
+
+
+def test_unsupported_model_falls_back_to_the_plain_path(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    supported, _, reason = shared_prefix_support(model)
+    assert not supported and "gpt2" in reason
+
+
+def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, **opt_kwargs):
+    """One optimizer_update from a perturbed float64 policy; returns (parameter change, metrics).
+
+    float64, so that equality up to rounding can be asserted tightly: in float32 the tiny model's
+    layer-norm gradients (sums with heavy cancellation) differ by up to 4e-5 relative between two
+    equally valid summation orders; in float64 (HF's RMSNorm still rounds to float32 inside) the
+    two paths agree to better than 1e-6."""
+    cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES, "schedule.total_updates=4",
+                                            "schedule.num_stages=1", "schedule.prompts_per_update=4",
+                                            "optim.max_grad_norm=1e9", *overrides])
+    policy = load_policy(tiny_model_dir, dtype=torch.float64)
+    torch.manual_seed(0)
+    with torch.no_grad():  # away from the behaviour policy, so ratios, clipping and the veto are live
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    optimizer = optimizer_cls(policy.parameters(), **opt_kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    before = [p.detach().clone() for p in policy.parameters()]
+    metrics = optimizer_update(policy, optimizer, scheduler, data, RunState(stage=0, update_in_stage=0), cfg,
+                               make_plan(cfg), World(), torch.device("cpu"))
+    return [b - p.detach() for b, p in zip(before, policy.parameters())], metrics
+
+
+PLAIN = ["train.skip_zero_advantage=false", "train.shared_prefix=false", "schedule.micro_batch_tokens=100000"]
+
+
+@pytest.mark.parametrize("extra", [[], ["loss.veto_normalizer=post_veto"], ["loss.aggregation=seq-mean-token-mean"],
+                                   ["schedule.micro_batch_tokens=48"]])
+def test_update_equals_the_plain_path(tiny_model_dir, extra):
+    # 4 groups of G = 8: two with zero variance (all A = 0), two mixed.
+    G = 8
+    adv = [0.0] * 8 + [1.0, -1.0] * 4 + [0.0] * 8 + [-0.5, 1.5, -0.5, -0.5, 1.5, -0.5, -0.5, -0.5]
+    data = _stage(100, [9, 14, 6, 11], [(3 * s) % 13 + 1 for s in range(4 * G)], G=G, advantages=adv)
+    plain, plain_metrics = _update(tiny_model_dir, data, PLAIN + extra, lr=1.0)  # SGD lr 1: change = -gradient
+    fast, fast_metrics = _update(tiny_model_dir, data, extra, lr=1.0)
+    assert fast_metrics["loss/trained_seq_frac"] == 0.5 and plain_metrics["loss/trained_seq_frac"] == 1.0
+    for a, b in zip(fast, plain):
+        assert _relative_error(a, b) <= 1e-6
+    assert fast_metrics["loss/policy"] == pytest.approx(plain_metrics["loss/policy"], rel=1e-6)
+    # Vetoes and ratios of A != 0 sequences are the same; the skipped ones have neither.
+    assert fast_metrics["loss/ratio_mean_neg"] == pytest.approx(plain_metrics["loss/ratio_mean_neg"], rel=1e-5)
+
+
+def test_all_zero_variance_update_still_steps_adamw(tiny_model_dir):
+    # Every advantage is 0: no forward at all, yet AdamW steps exactly as on the plain path's zero
+    # gradient (its step count advances and weight decay moves the parameters).
+    data = _stage(100, [9, 14, 6, 11], [4] * 32, G=8, advantages=[0.0] * 32)
+    fast, metrics = _update(tiny_model_dir, data, [], torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    plain, _ = _update(tiny_model_dir, data, PLAIN, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    assert metrics["loss/trained_seq_frac"] == 0.0 and metrics["optim/skipped"] == 0.0
+    for a, b in zip(fast, plain):
+        torch.testing.assert_close(a, b)
+    assert any(float(a.abs().max()) > 0 for a in fast)  # weight decay moved them
