@@ -141,7 +141,7 @@ class ScheduleConfig:
     """K: number of generate-then-optimise stages."""
     prompts_per_update: int = 8
     """Prompt groups per optimizer update (each contributes G sequences)."""
-    micro_batch_tokens: int = 2048
+    micro_batch_tokens: int = 1024
     """Token budget of one forward/backward: rows (a prompt with its group's responses, or one
     sequence without ``train.shared_prefix``) are sorted by length and packed until rows x the
     longest row would exceed it, so one long response does not pad many short ones; a group too

@@ -6,10 +6,10 @@ from mugrpo.plan import make_plan
 
 def test_mu_grpo_default_plan():
     # 32 updates / 4 stages = mu 8; 8 prompts/update x 8 updates = 64 prompts/stage (one pass);
-    # 8 prompts x G 8 = 64 sequences/update, micro-batches cut by a 2048-token budget; staleness 0..7.
+    # 8 prompts x G 8 = 64 sequences/update, micro-batches cut by a 1024-token budget; staleness 0..7.
     p = make_plan(load_config("mu-grpo"))
     assert (p.num_stages, p.updates_per_stage, p.prompts_per_stage) == (4, 8, 64)
-    assert (p.sequences_per_update, p.micro_batch_tokens, p.micro_batch_size, p.max_staleness) == (64, 2048, None, 7)
+    assert (p.sequences_per_update, p.micro_batch_tokens, p.micro_batch_size, p.max_staleness) == (64, 1024, None, 7)
     assert p.passes_per_stage == 1.0 and p.weight_syncs == 4
 
 
