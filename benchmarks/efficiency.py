@@ -114,6 +114,10 @@ def part_job(args) -> dict:
         ("before", [str(ROOT / ".venv" / "bin" / "python"), "-m", "mugrpo", "train"], before, {"PYTHONPATH": str(before)}),
         ("after", ["bash", str(ROOT / "scripts" / "train.sh")], ROOT, {}),
         ("after_hf", ["bash", str(ROOT / "scripts" / "train.sh")], ROOT, {"MUGRPO_SKIP_VLLM": "1"}),
+        # grpo (mu = 4: 8 refreshes) on the same engine, for the per-refresh cost against mu-grpo's 4
+        ("after_grpo", ["bash", str(ROOT / "scripts" / "train.sh"), "--preset", "grpo"], ROOT, {}),
+        # float32 everywhere, what `auto` picks on an AVX2-only CPU: the per-phase base of the AVX2 estimate
+        ("after_fp32", ["bash", str(ROOT / "scripts" / "train.sh"), "train.autocast=none"], ROOT, {}),
     ]
     for name, cmd, cwd, env in variants:
         if args.only and name not in args.only:
@@ -223,7 +227,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="part", required=True)
     job = sub.add_parser("job")
     job.add_argument("--before", default="f8ba031")
-    job.add_argument("--only", nargs="*", choices=("before", "after", "after_hf"))
+    job.add_argument("--only", nargs="*", choices=("before", "after", "after_hf", "after_grpo", "after_fp32"))
     update = sub.add_parser("update")
     update.add_argument("run_dir")
     update.add_argument("--updates", type=int, default=4, help="the stage's first N minibatches")
@@ -239,7 +243,8 @@ def main(argv=None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1, default=str))
     if args.part == "job":
-        plot_job(results["job"], RESULTS.with_name("efficiency_job.png"))
+        plot_job({k: v for k, v in results["job"].items() if k in ("before", "after", "after_hf")},
+                 RESULTS.with_name("efficiency_job.png"))
     print(f"[efficiency] wrote {RESULTS}")
     return 0
 

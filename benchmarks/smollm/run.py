@@ -54,6 +54,8 @@ class Size:
     group_size: int = 8
     max_new_tokens: int = 64
     micro_batch_size: int = 16
+    """TRL's per-device batch (sequences per forward/backward); mugrpo cuts micro-batches by tokens
+    (``schedule.micro_batch_tokens``, its default) since the efficiency work (docs/BENCHMARKS.md 3)."""
     lr: float = 1e-5
     eval_points: int = 8
     eval_prompts: int = 200
@@ -85,7 +87,7 @@ def mugrpo_overrides(size: Size, method: str, args) -> list[str]:
                 else [f"schedule.num_stages={size.stages}", "schedule.updates_per_stage=null"])
     return schedule + [
         f"schedule.total_updates={size.updates}", f"schedule.prompts_per_update={size.prompts_per_update}",
-        f"schedule.micro_batch_size={size.micro_batch_size}", f"rollout.group_size={size.group_size}",
+        f"rollout.group_size={size.group_size}",
         f"rollout.max_new_tokens={size.max_new_tokens}", f"rollout.engine={args.engine}", f"optim.lr={size.lr}",
         f"train.seed={args.seed}", f"train.threads={args.threads}", f"train.autocast={'bf16' if args.bf16 else 'none'}",
         f"rollout.dtype={'bfloat16' if args.bf16 else 'float32'}",
