@@ -4,8 +4,8 @@ Layout of a run directory::
 
     config.yaml                    resolved config (written once, at start)
     metrics.jsonl                  one line per update and per stage
-    stages/stage_KKK/              rollouts_rank{R}.safetensors (shard R, written by rank R),
-                                   shards.json (the stage is complete), rollouts[_rank{R}].jsonl
+    stages/stage_KKK/              the stage's data: shards, completion marker, readable jsonl
+                                   (file names: mugrpo.data.stage_dir and below)
     checkpoints/ckpt_UUUUUU/       model.safetensors, optimizer.pt, scheduler.pt, rng_rank{R}.pt,
                                    trainer_state.json
     final_model/                   HF folder: AutoModelForCausalLM.from_pretrained(...) loads it
@@ -31,16 +31,33 @@ import random
 import shutil
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mugrpo.errors import UserError
 from mugrpo import distributed as dist
 from mugrpo.config import Config, dump_yaml
 from mugrpo.data import atomic_write_text
 from mugrpo.faults import maybe_die
+
+
+@dataclass
+class RunState:
+    """Everything positional that a resume needs besides weights, optimizer and RNG states."""
+
+    stage: int = 0
+    update_in_stage: int = 0
+    """Updates already done in ``stage`` (0 = the stage's data may not exist yet)."""
+    update: int = 0
+    """Global optimizer updates done."""
+    bad_update_streak: int = 0
+    num_skipped_updates: int = 0
+    elapsed_s: float = 0.0
+    """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
@@ -51,7 +68,7 @@ RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates
 """Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UserError, RuntimeError):
     """A run directory that cannot be used as asked; the message says what to do."""
 
 
@@ -207,7 +224,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
     """Restore model, optimizer, schedule and RNGs from the newest checkpoint; return the RunState."""
-    from mugrpo.trainer import RunState
 
     path = latest_checkpoint(run_dir)
     if path is None:  # died before the first stage ended: the initial state is a pure function of the config

@@ -13,17 +13,7 @@ import time
 from pathlib import Path
 
 from mugrpo.config import PRESETS, ConfigError, from_dict, load_config, parse_override, set_value, to_dict
-
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError,)
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from mugrpo.checkpoint import RunDirError
-    from mugrpo.models import ModelError
-    from mugrpo.tasks import TaskError
-    from mugrpo.trainer import TrainingError
-
-    return (ConfigError, RunDirError, ModelError, TaskError, TrainingError)
+from mugrpo.errors import UserError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -66,7 +56,6 @@ def _resolve(args) -> "object":
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    errors = _user_errors()
     try:
         if getattr(args, "_extra_module", None):
             return __import__(args._extra_module, fromlist=["run"]).run(args) or 0
@@ -79,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "config":
             return _config_verb(args)
         return _train_verb(args)
-    except errors as exc:
+    except UserError as exc:  # every module's user-facing error derives from it (mugrpo/errors.py)
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
 

@@ -23,9 +23,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad key or value in the configuration; the message names the key and the fix."""
+from mugrpo.engines import ENGINES
+from mugrpo.errors import ConfigError
+from mugrpo.plan import make_plan
 
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
@@ -87,8 +87,8 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    engine: str = "auto"
+    """``auto``, or an engine of the registry ``mugrpo.engines.ENGINES`` (``hf``, ``vllm``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
     else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
     (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing."""
     group_size: int = 8
@@ -151,9 +151,21 @@ class ScheduleConfig:
     """Optional cap on sequences per micro-batch on top of the token budget; null: no cap."""
 
 
+CLIP_MODES = ("ppo", "m2po")
+VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
+VETO_NORMALIZERS = ("pre_veto", "post_veto")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+"""The accepted values of the loss section, defined once: the fields below are typed by them and the
+loss module (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`) checks against them."""
+
+
 @dataclass
 class LossConfig:
-    clip_mode: Literal["ppo", "m2po"] = "ppo"
+    """The loss section. :class:`mugrpo.losses.LossSettings` is built from it field by field, so a new
+    loss option is a field here and its use in mugrpo/losses.py, nothing else."""
+
+    clip_mode: Literal[CLIP_MODES] = "ppo"
     clip_eps_low: float = 1.0
     """Ratio lower bound is ``1 - clip_eps_low`` (1.0 -> 0: relaxed)."""
     clip_eps_high: float = 4.0
@@ -162,13 +174,19 @@ class LossConfig:
     """Optional cap c on rho*|A| for A < 0 (dual-clip); off by default."""
     m2po_budget: float = 0.04
     """M2PO: second-moment budget of log-ratios over harmful tokens."""
-    veto_scope: Literal["none", "trigger", "suffix", "suffix_nontrigger", "sequence"] = "suffix"
+    ratio_level: Literal[RATIO_LEVELS] = "token"
+    """``token``: one ratio per token (GRPO, Mu-GRPO). ``sequence``: GSPO (arXiv 2507.18071; TRL's
+    ``importance_sampling_level="sequence"``): every token of a response uses the response's
+    geometric-mean ratio exp(mean_t log rho_t), clipped as a whole. With the veto on, the mean runs
+    over the tokens the veto keeps: a vetoed token neither carries loss nor moves the ratio; the
+    triggers themselves stay token-level (a token the current policy finds far less likely)."""
+    veto_scope: Literal[VETO_SCOPES] = "suffix"
     veto_delta: float = 1e-4
     """A token of an A<0 response triggers the veto when rho < delta (compared in log space)."""
-    veto_normalizer: Literal["pre_veto", "post_veto"] = "pre_veto"
+    veto_normalizer: Literal[VETO_NORMALIZERS] = "pre_veto"
     """pre_veto: divide by the token count before the veto (a firing veto never scales up the other
     tokens); post_veto: by the kept count (costs one extra no-grad forward per update)."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation: Literal[AGGREGATIONS] = "token-mean"
     kl_beta: float = 0.0
     """k3 KL to the reference (initial) policy; 0 = off and no reference model is loaded."""
     entropy_coef: float = 0.0
@@ -177,6 +195,12 @@ class LossConfig:
     adv_eps: float = 1e-6
     drop_zero_var_groups: bool = False
     """Drop groups whose rewards are all equal from the stage dataset (DAPO dynamic sampling)."""
+
+    def describe(self) -> str:
+        """The clip range and ratio level in words (for the printed plan)."""
+        clip = (f"M2PO (second-moment budget {self.m2po_budget:g})" if self.clip_mode == "m2po"
+                else f"[{1 - self.clip_eps_low:g}, {1 + self.clip_eps_high:g}]")
+        return clip if self.ratio_level == "token" else f"{clip} on the sequence-level ratio (GSPO)"
 
 
 @dataclass
@@ -324,7 +348,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
+# docs/ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
 _STRICT = {"loss.clip_mode": "ppo", "loss.clip_eps_low": 0.2, "loss.clip_eps_high": 0.2, "loss.veto_scope": "none"}
 _STALE = {"schedule.num_stages": 4, "schedule.updates_per_stage": None}
 PRESETS: dict[str, dict[str, Any]] = {
@@ -489,6 +513,7 @@ def validate(cfg: Config) -> None:
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", r.top_k)
     _check(r.batch_size >= 1, "rollout.batch_size", "an integer >= 1", r.batch_size)
+    _check(r.engine in ("auto", *ENGINES), "rollout.engine", f"one of {', '.join(('auto', *ENGINES))}", r.engine)
     _validate_vllm(r)
     _check(0 <= loss.clip_eps_low <= 1, "loss.clip_eps_low", "in [0, 1] (lower bound 1 - eps >= 0)", loss.clip_eps_low)
     _check(loss.clip_eps_high >= 0, "loss.clip_eps_high", ">= 0", loss.clip_eps_high)
@@ -521,10 +546,7 @@ def validate(cfg: Config) -> None:
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
     _validate_eval_and_log(cfg)
-    # Schedule consistency is the planner's job; call it here so errors surface at start-up.
-    from mugrpo.plan import make_plan
-
-    make_plan(cfg)
+    make_plan(cfg)  # schedule consistency is the planner's job; called here so errors surface at start-up
 
 
 LOGGERS = ("tensorboard", "wandb")

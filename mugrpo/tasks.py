@@ -28,8 +28,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from mugrpo.errors import UserError
 
-class TaskError(ValueError):
+
+class TaskError(UserError, ValueError):
     """A dataset or task that cannot be used; the message says what is wrong and the fix."""
 
 
@@ -278,3 +280,24 @@ def prompt_ids(tokenizer, question: str, task_cfg) -> list[int]:
     # No chat template (e.g. a base model): plain "role: content" lines.
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def limit_prompts(prompts: list[list[int]], task_cfg, what: str) -> tuple[list[list[int]], list[int]]:
+    """``task.prompt_too_long`` applied to prompts over ``task.max_prompt_tokens``, the one rule for
+    training and evaluation: ``error`` raises, ``skip`` drops them, ``truncate`` keeps each one's
+    tail. Returns the prompts and the indices (into ``prompts``) that were kept. ``what`` names the
+    prompts in messages ("training", "evaluation")."""
+    limit = task_cfg.max_prompt_tokens
+    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
+    if not too_long:
+        return prompts, list(range(len(prompts)))
+    if task_cfg.prompt_too_long == "error":
+        raise TaskError(f"{len(too_long)} {what} prompt(s) are longer than task.max_prompt_tokens={limit} "
+                        f"(longest {max(len(prompts[i]) for i in too_long)} tokens). Raise the limit, or set "
+                        "task.prompt_too_long=skip or truncate")
+    if task_cfg.prompt_too_long == "truncate":
+        return [p[-limit:] for p in prompts], list(range(len(prompts)))
+    keep = [i for i in range(len(prompts)) if len(prompts[i]) <= limit]
+    if not keep:
+        raise TaskError(f"every {what} prompt is longer than task.max_prompt_tokens={limit}; raise the limit")
+    return [prompts[i] for i in keep], keep

@@ -6,7 +6,7 @@ import sys
 import pytest
 from conftest import TESTS, TINY_OVERRIDES
 
-from mugrpo.metrics import read_metrics
+from mugrpo.loggers import read_metrics
 
 
 def _run(run_dir, model_dir, *extra, env_extra=None):
@@ -43,7 +43,7 @@ def test_reward_function_that_raises_is_counted_and_reported_once(tmp_path, tiny
     r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:raises")
     assert r.returncode == 0, r.stderr[-2000:]
     stages = _records(tmp_path / "run", "stage")
-    assert [s["reward/error_count"] for s in stages] == [128, 128]  # mu 2 x 8 prompts = 16 prompts x G 8 per stage
+    assert [s["reward/num_errors"] for s in stages] == [128, 128]  # mu 2 x 8 prompts = 16 prompts x G 8 per stage
     assert stages[0]["stage/zero_var_group_frac"] == 1.0  # every reward 0: all groups zero variance
     assert (r.stdout + r.stderr).count("RuntimeError: boom") == 2  # first traceback, once per stage
     assert "every group has zero reward variance" in r.stdout + r.stderr
@@ -69,6 +69,11 @@ def test_run_dir_not_writable(tmp_path, tiny_model_dir):
 
 
 def test_truncated_prompts_train(tmp_path, tiny_model_dir):
+    from mugrpo.data import StageData
+
     r = _run(tmp_path / "run", tiny_model_dir, "task.max_prompt_tokens=12", "task.prompt_too_long=truncate")
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(_records(tmp_path / "run", "update")) == 4
+    # Every stored prompt was cut to the limit (the chat-rendered questions are all longer than 12).
+    data = StageData.load(tmp_path / "run" / "stages" / "stage_000" / "rollouts_rank0.safetensors")
+    assert {len(p) for p in data.prompts} == {12}

@@ -7,7 +7,7 @@ import pytest
 from conftest import TESTS, TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo.metrics import read_metrics
+from mugrpo.loggers import read_metrics
 
 
 def _cmd(run_dir, model_dir, *extra):
@@ -19,6 +19,7 @@ def _cmd(run_dir, model_dir, *extra):
 def _env(die_at=None):
     env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("MUGRPO_DIE_AT", None)
+    env.pop("MUGRPO_STOP_AT", None)
     if die_at:
         env["MUGRPO_DIE_AT"] = die_at
     return env
@@ -74,22 +75,18 @@ def test_resume_with_incompatible_config_is_refused(reference):
     assert r.returncode == 2 and "optim.lr" in r.stderr
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, tiny_model_dir, reference):
-    # SIGTERM arrives during the first update; the run finishes that update, checkpoints, and says how to resume.
-    import signal
-    import time
-
+def test_sigterm_mid_update_checkpoints_there_and_resumes_exactly(tmp_path, tiny_model_dir, reference):
+    # SIGTERM lands right after update 3 of 8 (mid-stage 0; with checkpoint.every_updates=0 the only
+    # checkpoint so far would be none): the run must finish that update, checkpoint at update 3, say
+    # how to resume, and the resumed run must end bitwise-equal to the uninterrupted one.
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_cmd(run_dir, tiny_model_dir, "checkpoint.every_updates=0"), env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().strip()):
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-3000:]
-    assert "--resume" in err
+    env = {**_env(), "MUGRPO_STOP_AT": "update:3"}
+    stopped = subprocess.run(_cmd(run_dir, tiny_model_dir, "checkpoint.every_updates=0"), env=env,
+                             capture_output=True, text=True)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert "--resume" in stopped.stderr
+    assert [p.name.split("_")[1] for p in (run_dir / "checkpoints").glob("ckpt_*")] == ["000003"]
+    assert [r["update"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "update"] == [1, 2, 3]
     resumed = subprocess.run([sys.executable, "-m", "mugrpo", "train", "--resume", str(run_dir)], env=_env(),
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
