@@ -529,7 +529,9 @@ def validate(cfg: Config) -> None:
     _check(cfg.task.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1", cfg.task.max_prompt_tokens)
     _check(cfg.task.size >= 1, "task.size", ">= 1", cfg.task.size)
     _check(cfg.task.eval_size >= 0, "task.eval_size", ">= 0", cfg.task.eval_size)
-    _check(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s", "> 0", cfg.task.reward_timeout_s)
+    # A per-call limit of inf makes setitimer raise on every call, so every reward would score 0.
+    _check(0 < cfg.task.reward_timeout_s < math.inf, "task.reward_timeout_s", "a finite number of seconds > 0",
+           cfg.task.reward_timeout_s)
     if cfg.task.reward_fn is not None:
         _check(":" in cfg.task.reward_fn, "task.reward_fn", "'module:function'", cfg.task.reward_fn)
     for i, shot in enumerate(cfg.task.few_shot):

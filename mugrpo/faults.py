@@ -31,7 +31,7 @@ def maybe_die(point: str) -> None:
 
 def should_poison(point: str) -> bool:
     """``MUGRPO_POISON_AT="point:n"``: True the n-th time ``point`` is passed (e.g. ``loss`` makes that
-    update's loss NaN), to test that non-finite updates are skipped and counted."""
+    update's loss NaN), to test that non-finite updates are skipped and counted; ``point:*``: every time."""
     spec = os.environ.get("MUGRPO_POISON_AT")
     if not spec:
         return False
@@ -40,4 +40,4 @@ def should_poison(point: str) -> bool:
         return False
     key = f"poison:{point}"
     _counts[key] = _counts.get(key, 0) + 1
-    return _counts[key] == int(nth or 1)
+    return nth == "*" or _counts[key] == int(nth or 1)

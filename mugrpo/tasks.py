@@ -8,8 +8,9 @@ Three sources (config ``task.*``):
 - ``reward_fn = "module:function"``: a custom scorer replacing either.
 
 The final answer is the content of the last ``\\boxed{...}``; a response without one scores 0.
-Scoring never raises: a scorer that raises, hangs past ``reward_timeout_s`` or returns a
-non-number scores 0 and is counted (:class:`ScoreStats`).
+Scoring never raises (KeyboardInterrupt aside): a scorer that raises (``SystemExit`` included),
+hangs past ``reward_timeout_s`` or returns a non-number, or a number that is not finite as a
+float32, scores 0 and is counted (:class:`ScoreStats`).
 
 This module knows nothing about models' weights, the loss or the engines.
 """
@@ -88,10 +89,27 @@ class ScoreStats:
     num_errors: int = 0
     num_timeouts: int = 0
     num_invalid: int = 0
-    """Scorer returned None, NaN, inf or a non-number."""
+    """Scorer returned None, NaN, inf, a number beyond float32's range or a non-number."""
     num_unparsable: int = 0
     """No ``\\boxed{}`` answer found (scored 0 by the built-in scorers)."""
     first_error: Optional[str] = None
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_reward(value: Any) -> Optional[float]:
+    """``value`` as a float that is finite once stored as float32 (rewards are), else None.
+
+    1e39 is a finite float64 but inf in float32, and an inf reward turns every advantage of its
+    group into NaN, so it is as invalid as NaN itself."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        reward = float(value)
+    except (OverflowError, ValueError):  # e.g. an int beyond float64
+        return None
+    return reward if math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX else None
 
 
 class Task:
@@ -116,14 +134,17 @@ class Task:
             except RewardTimeout:
                 stats.num_timeouts += 1
                 value = 0.0
-            except Exception:  # noqa: BLE001 - a user scorer may raise anything; count it, score 0
+            except KeyboardInterrupt:  # Ctrl-C must still stop the run
+                raise
+            except BaseException:  # noqa: BLE001 - a user scorer may raise anything, sys.exit() included
                 stats.num_errors += 1
                 stats.first_error = stats.first_error or traceback.format_exc()
                 value = 0.0
-            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            reward = _as_reward(value)
+            if reward is None:
                 stats.num_invalid += 1
-                value = 0.0
-            rewards.append(float(value))
+                reward = 0.0
+            rewards.append(reward)
         return torch.tensor(rewards, dtype=torch.float32), stats
 
     def sample(self, count: int, generator: torch.Generator) -> list[int]:

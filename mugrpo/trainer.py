@@ -145,6 +145,11 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             ckpt_s, ckpt_in_opt_s = save(), 0.0
             if stopper.requested and state.stage < plan.num_stages:
                 raise ckpt.Interrupted(run_dir)
+        if state.update and state.num_skipped_updates >= state.update:
+            raise TrainingError(f"all {state.update} updates of this run were skipped for a non-finite loss or "
+                                "gradient, so the policy never changed; no final model was written. Check the "
+                                "rewards (reward/num_invalid, stages/*/rollouts.jsonl), lower optim.lr, or turn "
+                                "off train.autocast")
         final = run_dir / "final_model"
         if cfg.train.save_final_model:
             ckpt.export_hf(policy, tokenizer, final, world)
@@ -249,6 +254,12 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
     counts = dist.sum_over_ranks(torch.tensor([
         score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
         score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts)], dtype=torch.float64)).tolist()
+    num_failed = int(counts[0] + counts[1] + counts[2])
+    if num_failed and num_failed == int(counts[4]) and world.is_main:
+        print(f"[mugrpo] warning: stage {state.stage}: all {num_failed} rewards failed and scored 0 "
+              f"({int(counts[0])} errors, {int(counts[1])} timeouts, {int(counts[2])} invalid values), so nothing "
+              "is learned from this stage. Check task.reward_fn (any traceback is printed above), "
+              "task.reward_timeout_s, and that the scorer returns a finite number")
     stats.update({
         "perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
         "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9),

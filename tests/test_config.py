@@ -43,6 +43,7 @@ def test_resolved_config_round_trips():
     (["loss.veto_delta=2"], "loss.veto_delta"),
     (["rollout.group_size=1"], "rollout.group_size"),
     (["nonsense"], "key=value"),
+    (["task.reward_timeout_s=.inf"], "task.reward_timeout_s=inf is out of range; accepted: a finite number"),
 ])
 def test_bad_config_exits_nonzero_naming_the_key(args, needle, capsys):
     assert main(["plan", *args]) == 2

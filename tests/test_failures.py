@@ -47,6 +47,23 @@ def test_reward_function_that_raises_is_counted_and_reported_once(tmp_path, tiny
     assert stages[0]["stage/zero_var_group_frac"] == 1.0  # every reward 0: all groups zero variance
     assert (r.stdout + r.stderr).count("RuntimeError: boom") == 2  # first traceback, once per stage
     assert "every group has zero reward variance" in r.stdout + r.stderr
+    assert "stage 0: all 128 rewards failed and scored 0 (128 errors, 0 timeouts, 0 invalid values)" in r.stdout
+
+
+def test_reward_function_that_calls_sys_exit_is_an_error_not_the_end_of_the_run(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:exits")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [s["reward/num_errors"] for s in _records(tmp_path / "run", "stage")] == [128, 128]
+    assert "SystemExit" in r.stdout and "all 128 rewards failed" in r.stdout
+    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+
+
+def test_a_run_whose_updates_were_all_skipped_fails_without_a_final_model(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, env_extra={"MUGRPO_POISON_AT": "loss:*"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "mugrpo: error: all 4 updates of this run were skipped" in r.stderr and "Traceback" not in r.stderr
+    assert [u["optim/skipped"] for u in _records(tmp_path / "run", "update")] == [1.0] * 4
+    assert not (tmp_path / "run" / "final_model").exists()
 
 
 @pytest.mark.parametrize("extra,needle", [

@@ -60,8 +60,9 @@ def test_missing_dataset_file_and_unknown_generator():
 
 
 @pytest.mark.parametrize("fn,counter", [
-    ("raises", "num_errors"), ("returns_none", "num_invalid"), ("returns_nan", "num_invalid"),
-    ("returns_text", "num_invalid"), ("hangs", "num_timeouts"),
+    ("raises", "num_errors"), ("exits", "num_errors"), ("returns_none", "num_invalid"),
+    ("returns_nan", "num_invalid"), ("huge", "num_invalid"), ("returns_text", "num_invalid"),
+    ("hangs", "num_timeouts"),
 ])
 def test_faulty_reward_functions_score_zero_and_are_counted(fn, counter):
     task = build_task(TaskConfig(size=4, eval_size=1, reward_fn=f"toy_rewards:{fn}", reward_timeout_s=0.3))
@@ -70,6 +71,14 @@ def test_faulty_reward_functions_score_zero_and_are_counted(fn, counter):
     assert getattr(stats, counter) == 2
     if fn == "raises":
         assert "RuntimeError: boom" in stats.first_error
+    if fn == "exits":  # sys.exit() inside a reward is an error of that call, not the end of the run
+        assert "SystemExit" in stats.first_error
+
+
+def test_ctrl_c_inside_a_reward_function_still_stops():
+    task = build_task(TaskConfig(size=4, eval_size=1, reward_fn="toy_rewards:interrupted"))
+    with pytest.raises(KeyboardInterrupt):
+        task.score_all(["x"], task.items[:1])
 
 
 def test_custom_reward_function_gets_completion_answer_and_row():
