@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from mugrpo.config import PRESETS, ConfigError, from_dict, load_config, parse_override, set_value, to_dict
+from mugrpo.config import PRESETS, ConfigError, load_config
 from mugrpo.errors import UserError
 
 
@@ -85,26 +85,18 @@ def _config_verb(args) -> int:
 
 
 def _train_verb(args) -> int:
-    import yaml
-
-    from mugrpo.checkpoint import Interrupted, check_resume_compatible
+    from mugrpo.checkpoint import Interrupted, resume_config
     from mugrpo.trainer import train
 
     if args.resume:
         run_dir = Path(args.resume)
-        saved_path = run_dir / "config.yaml"
-        if not saved_path.is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
+        if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
+            raise ConfigError(f"--resume {args.resume} continues the run in that directory; drop --run-dir "
+                              f"{args.run_dir} (a resumed run cannot move to another directory)")
         if args.preset or args.config:
             raise ConfigError("--resume takes the run's own config.yaml; drop --preset/--config "
                               "(key=value overrides of resume-safe keys are allowed)")
-        saved = yaml.safe_load(saved_path.read_text())
-        cfg = from_dict(saved)
-        for text in args.overrides:  # applied on top of the saved config, not the defaults
-            set_value(cfg, *parse_override(text))
-        # Compare against the saved config with today's defaults filled in, so runs saved before a new
-        # config section existed still resume.
-        check_resume_compatible(to_dict(from_dict(saved)), to_dict(cfg))
+        cfg = resume_config(run_dir, args.overrides)
     else:
         cfg = _resolve(args)
         run_dir = Path(args.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")

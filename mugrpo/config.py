@@ -461,18 +461,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(preset: Optional[str] = None, file: Optional[str | Path] = None,
                 overrides: Optional[list[str]] = None) -> Config:
     """Defaults -> preset -> YAML file -> ``key=value`` overrides, then :func:`validate`."""
-    file_values: dict[str, Any] = {}
-    if file is not None:
-        path = Path(file)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
-        file_values = dict(loaded)
+    file_values = read_config_file(file) if file is not None else {}
     cli_values = [parse_override(o) for o in overrides or []]
     name = preset or file_values.pop("preset", None) or dict(cli_values).get("preset") or Config.preset
     file_values.pop("preset", None)
@@ -485,6 +474,26 @@ def load_config(preset: Optional[str] = None, file: Optional[str | Path] = None,
         set_value(cfg, key, value)
     validate(cfg)
     return cfg
+
+
+def read_config_file(file: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds ({} for an empty file); ConfigError naming the file when it
+    is missing, unreadable, not UTF-8, not YAML, or not a mapping."""
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "save it as UTF-8") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+    return dict(loaded)
 
 
 def _check(ok: bool, key: str, accepted: str, value: Any) -> None:

@@ -58,50 +58,61 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    if not resume:
+    lock = engine = logger = stopper = None
+    failed_new_run = False
+    if resume:  # before any work: a second process on this run directory stops here
+        ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
+        lock = ckpt.lock_run_dir(run_dir, world)
+    else:
         ckpt.check_run_dir_free(run_dir)
-    _configure_torch(cfg)
-    model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
-    model_path = dist.broadcast_object(model_path)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    policy = load_policy(model_path, cfg.model.trust_remote_code)
-    ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
-    if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    policy, device = dist.prepare_model(policy, cfg, world)
-    if ref_model is not None:
-        ref_model = dist.prepare_frozen(ref_model, cfg, world)
-    optimizer, scheduler = build_optimizer(policy, cfg, plan)
-    task = build_task(cfg.task)
-    # Only now that model and task have loaded: a failed start leaves no half-made run directory.
-    ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
-    state = RunState()
-    if resume:
-        state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
-        if world.is_main:
-            ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
-    engine = make_engine(resolved.engine, model_path, tokenizer,
-                         dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
-    logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
-    progress = Progress(enabled=cfg.train.progress and world.is_main)
-    if world.is_main:
-        print(format_plan(plan, cfg, resolved))
-        for note in resolved.notes + _layout_notes(policy, cfg):
-            print(f"[mugrpo] {note}")
-    t_start = time.perf_counter() - state.elapsed_s
-    evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
-    stopper = ckpt.GracefulStop()
-
-    def save() -> float:
-        t = time.perf_counter()
-        ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s=t - t_start)
-        return time.perf_counter() - t
-
-    # Checkpoint seconds inside the current stage's wall-clock interval (which runs from the previous
-    # stage record to this one, so the previous stage-end checkpoint counts here), and those inside
-    # the optimisation phase (taken off perf/optimize_s).
-    ckpt_s, ckpt_in_opt_s = 0.0, 0.0
+        existed = run_dir.is_dir()
     try:
+        _configure_torch(cfg)
+        model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
+        model_path = dist.broadcast_object(model_path)
+        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        policy = load_policy(model_path, cfg.model.trust_remote_code)
+        ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
+        if cfg.model.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        policy, device = dist.prepare_model(policy, cfg, world)
+        if ref_model is not None:
+            ref_model = dist.prepare_frozen(ref_model, cfg, world)
+        optimizer, scheduler = build_optimizer(policy, cfg, plan)
+        task = build_task(cfg.task)
+        engine = make_engine(resolved.engine, model_path, tokenizer,
+                             dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
+        state = RunState()
+        if resume:
+            if world.is_main:
+                for path in ckpt.remove_stale_temporaries(run_dir):
+                    print(f"[mugrpo] removed {path}, left by an interrupted write")
+            state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
+            if world.is_main:
+                ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
+        else:
+            # Only now that model, task and engine have loaded: a failed start leaves no run directory.
+            ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
+            lock = ckpt.lock_run_dir(run_dir, world)
+        logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
+        progress = Progress(enabled=cfg.train.progress and world.is_main)
+        if world.is_main:
+            print(format_plan(plan, cfg, resolved))
+            for note in resolved.notes + _layout_notes(policy, cfg):
+                print(f"[mugrpo] {note}")
+        t_start = time.perf_counter() - state.elapsed_s
+        evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
+        stopper = ckpt.GracefulStop()
+
+        def save() -> float:
+            t = time.perf_counter()
+            ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s=t - t_start)
+            return time.perf_counter() - t
+
+        # Checkpoint seconds inside the current stage's wall-clock interval (which runs from the previous
+        # stage record to this one, so the previous stage-end checkpoint counts here), and those inside
+        # the optimisation phase (taken off perf/optimize_s).
+        ckpt_s, ckpt_in_opt_s = 0.0, 0.0
         evaluator.maybe_run(state)  # the initial policy (eval.at_start)
         while state.stage < plan.num_stages:
             stage_dir = data_files.stage_dir(run_dir, state.stage)
@@ -154,10 +165,17 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         if cfg.train.save_final_model:
             ckpt.export_hf(policy, tokenizer, final, world)
         return final
+    except Exception as exc:
+        # The run dir is this run's own (locked, found empty); an interrupted run keeps it, to be resumed.
+        failed_new_run = not (resume or isinstance(exc, ckpt.Interrupted)) and lock is not None
+        raise
     finally:
-        stopper.restore()
-        logger.close()
-        engine.close()
+        for close in (stopper and stopper.restore, logger and logger.close, engine and engine.close,
+                      lock and lock.close):
+            if close:
+                close()
+        if failed_new_run and ckpt.discard_failed_start(run_dir, keep_dir=existed):
+            print(f"[mugrpo] removed {run_dir}: the run failed before writing anything to resume from")
 
 
 def _layout_notes(policy, cfg: Config) -> list[str]:

@@ -69,13 +69,16 @@ def test_a_run_whose_updates_were_all_skipped_fails_without_a_final_model(tmp_pa
 @pytest.mark.parametrize("extra,needle", [
     (["model.name=/nonexistent/model"], "does not exist"),
     (["task.max_prompt_tokens=5"], "longer than task.max_prompt_tokens=5"),
-    (["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every prompt is longer"),
+    (["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every training prompt is longer"),
     (["task.kind=math", "task.name=/nonexistent.jsonl"], "does not exist"),
 ])
 def test_start_up_errors(tmp_path, tiny_model_dir, extra, needle):
     r = _run(tmp_path / "run", tiny_model_dir, *extra)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and "Traceback" not in r.stderr
+    # Nothing to resume was written (the prompt errors come in stage 0, after the run dir was made):
+    # the corrected command can simply be run again.
+    assert not (tmp_path / "run").exists()
 
 
 def test_run_dir_not_writable(tmp_path, tiny_model_dir):
@@ -94,3 +97,12 @@ def test_truncated_prompts_train(tmp_path, tiny_model_dir):
     # Every stored prompt was cut to the limit (the chat-rendered questions are all longer than 12).
     data = StageData.load(tmp_path / "run" / "stages" / "stage_000" / "rollouts_rank0.safetensors")
     assert {len(p) for p in data.prompts} == {12}
+
+
+def test_an_engine_that_cannot_start_leaves_no_run_dir(tmp_path, tiny_model_dir):
+    # The test environment has no vLLM: the start fails before the run directory exists, so the
+    # same command with rollout.engine=hf simply works.
+    r = _run(tmp_path / "run", tiny_model_dir, "rollout.engine=vllm")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rollout.engine=vllm needs vLLM" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
