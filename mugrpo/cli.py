@@ -8,6 +8,7 @@ that names the problem and the fix, never a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,11 @@ def _resolve(args) -> "object":
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash in native code (e.g. a reward function that segfaults) still prints the Python stack.
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError):  # a stderr without a file descriptor (e.g. captured in tests)
+        pass
     args = build_parser().parse_args(argv)
     try:
         if getattr(args, "_extra_module", None):

@@ -429,7 +429,7 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
             prefix = ".".join(parts[:depth])
             valid = sorted((f"{prefix}.{n}" if prefix else n) for n in fields)
             close = difflib.get_close_matches(".".join(parts[: depth + 1]), valid, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = _colon_hint(part) or (f" Did you mean {close[0]!r}?" if close else "")
             raise ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(obj, part)):
@@ -439,11 +439,24 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
                     set_value(cfg, f"{key}.{sub}", sub_value)
                 return
             hints = typing.get_type_hints(type(obj))
+            for sub in value if isinstance(value, dict) else ():
+                if isinstance(sub, str) and value[sub] is None and _colon_hint(sub):
+                    raise ConfigError(f"{key}: key {sub!r} has no value.{_colon_hint(sub)}")
             setattr(obj, part, _coerce(key, value, hints[part]))
         else:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"{key}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+
+
+def _colon_hint(key: str) -> str:
+    """A hint for ``{a:1}``, which YAML reads as the single key 'a:1' (a flow mapping needs a space after
+    the colon); empty for other keys."""
+    name, colon, rest = key.partition(":")
+    if not colon or not name.strip() or rest.startswith(" "):
+        return ""
+    return (f" YAML reads {key!r} as one key because there is no space after the colon; "
+            f"write {{{name}: {rest}}}.")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -518,7 +531,8 @@ def validate(cfg: Config) -> None:
     if r.prompts_per_stage is not None:
         _check(r.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null", r.prompts_per_stage)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", r.max_new_tokens)
-    _check(r.temperature > 0, "rollout.temperature", "> 0 (training samples; greedy is for eval)", r.temperature)
+    _check(0 < r.temperature < math.inf, "rollout.temperature", "a finite number > 0 (training samples; greedy is "
+           "for eval)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", r.top_k)
     _check(r.batch_size >= 1, "rollout.batch_size", "an integer >= 1", r.batch_size)
@@ -533,6 +547,10 @@ def validate(cfg: Config) -> None:
     _check(loss.kl_beta >= 0, "loss.kl_beta", ">= 0", loss.kl_beta)
     _check(loss.adv_eps > 0, "loss.adv_eps", "> 0", loss.adv_eps)
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
+    for key in ("beta1", "beta2"):
+        _check(0 <= getattr(o, key) < 1, f"optim.{key}", "in [0, 1)", getattr(o, key))
+    _check(0 <= o.weight_decay < math.inf, "optim.weight_decay", "a finite number >= 0", o.weight_decay)
+    _check(0 < o.eps < math.inf, "optim.eps", "a finite number > 0", o.eps)
     _check(o.max_grad_norm > 0, "optim.max_grad_norm", "> 0", o.max_grad_norm)
     _check(o.warmup_updates >= 0, "optim.warmup_updates", ">= 0", o.warmup_updates)
     _check(cfg.task.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1", cfg.task.max_prompt_tokens)
@@ -567,7 +585,8 @@ def _validate_eval_and_log(cfg: Config) -> None:
     e = cfg.eval
     for key in ("num_items", "every_stages", "every_updates", "k"):
         _check(getattr(e, key) >= 0, f"eval.{key}", "an integer >= 0 (0 = off)", getattr(e, key))
-    _check(e.temperature > 0, "eval.temperature", "> 0 (greedy decoding is eval.greedy)", e.temperature)
+    _check(0 < e.temperature < math.inf, "eval.temperature", "a finite number > 0 (greedy decoding is eval.greedy)",
+           e.temperature)
     if e.max_new_tokens is not None:
         _check(e.max_new_tokens >= 1, "eval.max_new_tokens", "an integer >= 1 or null", e.max_new_tokens)
     if e.num_items and not (e.greedy or e.k):

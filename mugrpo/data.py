@@ -20,10 +20,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mugrpo import seeds
+from mugrpo.errors import UserError
 
 FORMAT_VERSION = 1
 SHARDS_FILE = "shards.json"
 """Written by rank 0 once every rank's shard is on disk: the stage is complete."""
+
+
+class StageDataError(UserError, RuntimeError):
+    """A persisted stage file that cannot be read; the message names it and says how to recover."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        path, why = Path(path), " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(f"stage data file {path} cannot be read ({why}): "
+                         f"damaged or incomplete. Delete the folder {path.parent} and resume (mugrpo train "
+                         "--resume RUN_DIR): that stage's data is then generated again, by the resumed policy")
 
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
@@ -93,19 +104,21 @@ class StageData:
 
     @classmethod
     def load(cls, path: Path) -> "StageData":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        t = load_file(str(path))
+        from safetensors import SafetensorError, safe_open
 
         def unflat(values, offsets):
             o = offsets.tolist()
             return [values[a:b].tolist() for a, b in zip(o, o[1:])]
 
-        return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
-                   unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
-                   t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]))
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+            t = load_file(str(path))
+            return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
+                       unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
+                       t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]))
+        except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
+            raise StageDataError(path, exc) from exc
 
 
 def atomic_write(path: Path, write) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from mugrpo.data import SHARDS_FILE, StageData, atomic_write_text, shard_path, update_groups
+from mugrpo.data import SHARDS_FILE, StageData, StageDataError, atomic_write_text, shard_path, update_groups
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,10 @@ def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
     if world.is_main:
         marker = stage_dir / SHARDS_FILE
         if marker.is_file():
-            num_shards = json.loads(marker.read_text())["num_shards"]
+            try:
+                num_shards = int(json.loads(marker.read_text())["num_shards"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                raise StageDataError(marker, exc) from exc
     num_shards = broadcast_object(num_shards)
     if num_shards is None:
         return None

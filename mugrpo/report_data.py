@@ -69,7 +69,14 @@ def load_run(path: str | Path, label: Optional[str] = None) -> Run:
         raise ReportError(f"{path}: no metrics.jsonl, so it is not a mugrpo run directory (or it has not started)")
     config_file = path / "config.yaml"
     config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
-    records = dedupe(read_metrics(metrics))
+    try:
+        records = read_metrics(metrics)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{metrics}: cannot be read as text ({exc}); it is not a mugrpo metrics file") from exc
+    records = dedupe([r for r in records if isinstance(r, dict) and r.get("kind") in ("update", "stage", "eval")])
+    if not records:
+        raise ReportError(f"{metrics}: no metric records (the file is empty, or no line is a JSON record of kind "
+                          "update, stage or eval); leave this run out of the report, or check the file")
     run = Run(label or path.resolve().name, path, config or {})
     for r in records:
         {"update": run.updates, "stage": run.stages, "eval": run.evals}.get(r.get("kind"), []).append(r)

@@ -18,6 +18,7 @@ This module knows nothing about models' weights, the loss or the engines.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import numbers
 import signal
@@ -163,12 +164,27 @@ def _load_reward_fn(spec: str) -> Callable[[str, str, dict], float]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise TaskError(f"task.reward_fn={spec!r}: cannot import module {module_name!r} ({exc}); "
-                        "make sure it is on PYTHONPATH") from exc
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):  # not found itself
+            raise TaskError(f"task.reward_fn={spec!r}: cannot import module {module_name!r} ({exc}); "
+                            "make sure it is on PYTHONPATH") from exc
+        raise TaskError(_import_failure(spec, module_name, exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - the module's own code failed (SyntaxError, a raise at import)
+        raise TaskError(_import_failure(spec, module_name, exc)) from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise TaskError(f"task.reward_fn={spec!r}: module {module_name!r} has no function {fn_name!r}")
     return fn
+
+
+def _import_failure(spec: str, module_name: str, exc: BaseException) -> str:
+    """The message for a reward module found but failing inside its own import: the real cause and where."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{f.filename}:{f.lineno}" for f in reversed(frames) if "importlib" not in f.filename), None)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f"{exc.filename}:{exc.lineno}"
+    return (f"task.reward_fn={spec!r}: importing module {module_name!r} failed inside the module: "
+            f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+            + ". Fix the module or install what it imports")
 
 
 def build_task(task_cfg) -> Task:
@@ -220,20 +236,45 @@ def load_rows(name: str, split: str = "train", subset: Optional[str] = None) -> 
     import datasets
 
     path = Path(name).expanduser()
+    suffix = path.suffix.lower()  # data.JSONL is a jsonl file too
     try:
-        if path.suffix in _FILE_FORMATS:
+        if suffix in _FILE_FORMATS:
             if not path.is_file():
                 raise TaskError(f"dataset file {name!r} does not exist")
             if path.stat().st_size == 0:
                 raise TaskError(f"dataset file {name!r} is empty")
-            ds = datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path), split="train")
+            ds = datasets.load_dataset(_FILE_FORMATS[suffix], data_files=str(path), split="train")
         else:
             ds = datasets.load_dataset(name, subset, split=split)
     except TaskError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; all mean "cannot load"
-        raise TaskError(f"could not load dataset {name!r} (split {split!r}): {exc}") from exc
+        if suffix == ".jsonl":
+            _check_jsonl_rows(path)  # datasets' own error names no line: find the first bad one
+        cause = exc
+        while cause.__cause__ or cause.__context__:  # datasets wraps the parser's error, which says why
+            cause = cause.__cause__ or cause.__context__
+        detail = f"{exc}" if cause is exc else f"{exc} Cause: {type(cause).__name__}: {cause}"
+        raise TaskError(f"could not load dataset {name!r} (split {split!r}): {' '.join(detail.split())}") from exc
     return list(ds)
+
+
+def _check_jsonl_rows(path: Path) -> None:
+    """TaskError naming the file, the line and the cause of the first line that is not a JSON object."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+                row = json.loads(line.strip()) if line.strip() else {}
+            except UnicodeDecodeError as exc:
+                raise TaskError(f"dataset file {str(path)!r}, line {number}: not UTF-8 text ({exc.reason}); "
+                                "fix or delete that line") from exc
+            except json.JSONDecodeError as exc:
+                raise TaskError(f"dataset file {str(path)!r}, line {number}: not valid JSON ({exc.msg} at column "
+                                f"{exc.colno}); fix or delete that line") from exc
+            if not isinstance(row, dict):
+                raise TaskError(f"dataset file {str(path)!r}, line {number}: a JSON {type(row).__name__}, not an "
+                                "object of columns (e.g. {\"question\": ..., \"answer\": ...})")
 
 
 def _math(task_cfg):

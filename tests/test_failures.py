@@ -1,5 +1,6 @@
 """Faults are survived and counted; bad start-up input ends in exit code 2 with a message naming the fix."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -106,3 +107,84 @@ def test_an_engine_that_cannot_start_leaves_no_run_dir(tmp_path, tiny_model_dir)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rollout.engine=vllm needs vLLM" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "run").exists()
+
+
+def _broken_model(tmp_path, tiny_model_dir, how):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    if how == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).unlink()
+    else:  # an interrupted copy: half the weights file
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("no_tokenizer", "has none of the tokenizer files"),
+    ("truncated", "cannot read the weights {folder}/model.safetensors"),
+])
+def test_broken_model_folder_is_named_with_what_to_do(tmp_path, tiny_model_dir, how, needle):
+    folder = _broken_model(tmp_path, tiny_model_dir, how)
+    r = _run(tmp_path / "run", tiny_model_dir, f"model.name={folder}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle.format(folder=folder) in r.stderr and str(folder) in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_checks_its_output_paths_before_evaluating(tmp_path, tiny_model_dir, capsys):
+    from mugrpo.cli import main
+
+    taken = tmp_path / "results"
+    taken.mkdir()
+    args = ["eval", "--model", tiny_model_dir, "--task", "rg:basic_arithmetic", "--num-items", "1", "--k", "0"]
+    assert main([*args, "--out", str(taken)]) == 2
+    assert f"--out {taken}: is a folder" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main([*args, "--samples", str(blocker / "samples.jsonl")]) == 2
+    assert "--samples" in capsys.readouterr().err
+    assert list(taken.iterdir()) == [] and blocker.read_text() == "x"
+
+
+def test_eval_of_a_run_dir_without_its_config_says_how_to_restore_it(tmp_path, capsys):
+    from mugrpo.cli import main
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "ckpt_000002_s001_u00000").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    assert main(["eval", "--model", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "run directory without its config.yaml" in err and "checkpoints/ckpt_" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"not json\n\x00\x01 garbage\n", b"\xff\xfe\n", b"[1, 2]\n"])
+def test_report_on_an_unusable_metrics_file_names_it(tmp_path, capsys, content):
+    from mugrpo.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_bytes(content)
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "report")]) == 2
+    assert str(run_dir / "metrics.jsonl") in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+
+
+def test_report_out_that_is_a_file_is_refused_before_drawing(tmp_path, capsys):
+    from mugrpo.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"kind": "stage", "stage": 0, "update": 2, "update_in_stage": 2, '
+                                           '"time_s": 1.0, "reward/mean": 0.5}\n')
+    out = tmp_path / "report.md"
+    out.write_text("mine")
+    assert main(["report", str(run_dir), "--out", str(out)]) == 2
+    assert f"--out {out}: is a file" in capsys.readouterr().err and out.read_text() == "mine"
+
+
+def test_a_reward_that_segfaults_leaves_a_python_traceback(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:segfaults")
+    assert r.returncode == -11  # SIGSEGV: nothing can be caught, but faulthandler prints where
+    assert "Fatal Python error: Segmentation fault" in r.stderr and "toy_rewards.py" in r.stderr

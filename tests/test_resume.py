@@ -198,3 +198,40 @@ def test_resume_removes_temporary_files_left_by_a_kill(tmp_path, reference):
     assert r.returncode == 0, r.stderr[-3000:]
     assert not any(p.exists() for p in stale)
     assert f"removed {stale[0]}" in r.stdout
+
+
+def test_truncated_stage_file_is_named_and_the_advice_works(tmp_path, reference):
+    # Without ckpt 8 the resume loads ckpt 6 (stage 1, 2 updates in), which needs stage 1's data.
+    run_dir = _copy(reference, tmp_path)
+    shutil.rmtree(sorted((run_dir / "checkpoints").glob("ckpt_*"))[-1])
+    stage = run_dir / "stages" / "stage_001"
+    shard = stage / "rollouts_rank0.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    r = _resume(run_dir)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"stage data file {shard} cannot be read" in r.stderr and f"Delete the folder {stage}" in r.stderr
+    assert "Traceback" not in r.stderr and not (run_dir / "final_model").exists()
+    shutil.rmtree(stage)  # the advice: the stage is generated again, and the run finishes
+    r = _resume(run_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (run_dir / "final_model" / "model.safetensors").is_file()
+
+
+def test_corrupt_trainer_state_is_named_and_an_older_checkpoint_used(tmp_path, reference):
+    run_dir = _copy(reference, tmp_path)
+    state = sorted((run_dir / "checkpoints").glob("ckpt_*"))[-1] / "trainer_state.json"
+    state.write_text('{"stage": 2, "upd')
+    r = _resume(run_dir)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"({state}: " in r.stdout and "resumed from ckpt_000006_s001_u00002" in r.stdout
+    ref, got = _final_params(reference), _final_params(run_dir)
+    assert all(ref[k].equal(got[k]) for k in ref)
+
+
+def test_no_loadable_checkpoint_is_an_error_naming_each(tmp_path, reference):
+    run_dir = _copy(reference, tmp_path)
+    for folder in (run_dir / "checkpoints").glob("ckpt_*"):
+        (folder / "trainer_state.json").write_text("")
+    r = _resume(run_dir)
+    assert r.returncode == 2 and "no checkpoint of" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.count("trainer_state.json") == 2

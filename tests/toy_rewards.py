@@ -39,3 +39,9 @@ def interrupted(completion, answer, item):
 
 def huge(completion, answer, item):
     return 1e39  # finite as a Python float, inf as float32
+
+
+def segfaults(completion, answer, item):
+    import ctypes
+
+    return ctypes.string_at(0)  # reads address 0: SIGSEGV
