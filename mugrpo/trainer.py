@@ -59,13 +59,12 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     plan = make_plan(cfg, world.size)
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
     lock = engine = logger = stopper = None
-    failed_new_run = False
+    failed_new_run, existed = False, run_dir.is_dir()
     if resume:  # before any work: a second process on this run directory stops here
         ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
         lock = ckpt.lock_run_dir(run_dir, world)
     else:
         ckpt.check_run_dir_free(run_dir)
-        existed = run_dir.is_dir()
     try:
         _configure_torch(cfg)
         model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
@@ -175,7 +174,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             if close:
                 close()
         if failed_new_run and ckpt.discard_failed_start(run_dir, keep_dir=existed):
-            print(f"[mugrpo] removed {run_dir}: the run failed before writing anything to resume from")
+            print(f"[mugrpo] removed what this run wrote in {run_dir}: it failed before writing anything to resume "
+                  "from, so the corrected command can be run again")
 
 
 def _layout_notes(policy, cfg: Config) -> list[str]:
