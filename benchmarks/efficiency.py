@@ -79,7 +79,7 @@ def measured(cmd: list[str], cwd: Path, env: dict, log: Path) -> dict:
 
 
 def stage_table(run_dir: Path) -> dict:
-    from mugrpo.metrics import read_metrics
+    from mugrpo.loggers import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl")
     stages = [r for r in records if r["kind"] == "stage"]

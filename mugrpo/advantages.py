@@ -1,4 +1,4 @@
-"""Group-normalised advantages, computed once at generation time (ALGORITHM.md section 4).
+"""Group-normalised advantages, computed once at generation time (docs/ALGORITHM.md section 4).
 
 Shapes: N prompt groups, G responses per group. Pure functions on tensors.
 """
@@ -20,7 +20,12 @@ def group_advantages(rewards: torch.Tensor, *, std_scale: bool = True, eps: floa
     mean = rewards.mean(dim=1, keepdim=True)
     centered = rewards - mean
     std = rewards.std(dim=1, keepdim=True, unbiased=False)
-    zero_var = (rewards == rewards[:, :1]).all(dim=1)
+    zero_var = zero_variance_groups(rewards)
     adv = centered / (std + eps) if std_scale else centered
     adv = torch.where(zero_var[:, None], torch.zeros_like(adv), adv)
     return adv, zero_var
+
+
+def zero_variance_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """[N] bool for ``rewards`` [N, G]: every member of the group got the same reward (so A = 0 for all)."""
+    return (rewards == rewards[:, :1]).all(dim=1)

@@ -3,17 +3,20 @@
 Layout of a run directory::
 
     config.yaml                    resolved config (written once, at start)
+    .lock                          held (flock) by the process training in the directory
     metrics.jsonl                  one line per update and per stage
-    stages/stage_KKK/              rollouts_rank{R}.safetensors (shard R, written by rank R),
-                                   shards.json (the stage is complete), rollouts[_rank{R}].jsonl
+    stages/stage_KKK/              the stage's data: shards, completion marker, readable jsonl
+                                   (file names: mugrpo.data.stage_dir and below)
     checkpoints/ckpt_UUUUUU/       model.safetensors, optimizer.pt, scheduler.pt, rng_rank{R}.pt,
-                                   trainer_state.json
+                                   trainer_state.json, config.yaml (the config it was trained with)
     final_model/                   HF folder: AutoModelForCausalLM.from_pretrained(...) loads it
 
 A checkpoint is written into a temporary folder, fsynced, then renamed: a folder named ``ckpt_*``
 is always complete. The newest ``keep_last`` are kept. It holds the model, optimizer and LR
 schedule, every RNG state, and the position (stage, update, update within the stage); the stage's
-data is on disk already, so resuming mid-stage never regenerates.
+data is on disk already, so resuming mid-stage never regenerates. A resume checks RUN_DIR/config.yaml
+(plus any ``key=value`` overrides) against the config stored in the newest checkpoint, and loads the
+newest checkpoint that is readable, warning about any newer one that is not.
 
 Model and optimizer are stored whole (optimizer state keyed by parameter name), whatever the number
 of processes: under FSDP2 they are gathered one tensor at a time and only rank 0 keeps them, and on
@@ -25,22 +28,41 @@ run may resume on a different number of processes (its stage data permitting, se
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import random
 import shutil
 import signal
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mugrpo.errors import UserError
 from mugrpo import distributed as dist
-from mugrpo.config import Config, dump_yaml
-from mugrpo.data import atomic_write_text
+from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
+                           set_value, to_dict, validate)
+from mugrpo.data import SHARDS_FILE, atomic_write_text
 from mugrpo.faults import maybe_die
+
+
+@dataclass
+class RunState:
+    """Everything positional that a resume needs besides weights, optimizer and RNG states."""
+
+    stage: int = 0
+    update_in_stage: int = 0
+    """Updates already done in ``stage`` (0 = the stage's data may not exist yet)."""
+    update: int = 0
+    """Global optimizer updates done."""
+    bad_update_streak: int = 0
+    num_skipped_updates: int = 0
+    elapsed_s: float = 0.0
+    """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
@@ -51,7 +73,7 @@ RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates
 """Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
 
 
-class RunDirError(RuntimeError):
+class RunDirError(UserError, RuntimeError):
     """A run directory that cannot be used as asked; the message says what to do."""
 
 
@@ -68,6 +90,20 @@ def check_run_dir_free(run_dir: Path) -> None:
         raise RunDirError(f"run directory {str(run_dir)!r} is not empty. To continue that run: "
                           f"mugrpo train --resume {run_dir}; to start afresh, choose a new --run-dir "
                           "or delete the old one")
+
+
+def discard_failed_start(run_dir: Path, keep_dir: bool) -> bool:
+    """After a new run failed with an error: delete what it wrote if that holds nothing to resume (no
+    stage data, no checkpoint), so the corrected command can simply be run again; a resume could not
+    take the correction when it changes the experiment. Only for a directory the run found empty
+    (``keep_dir``: it existed then, so only its contents go). Returns True if it deleted."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or any((run_dir / "checkpoints").glob("ckpt_*")) or any(
+            (run_dir / "stages").glob(f"stage_*/{SHARDS_FILE}")):
+        return False
+    for path in (list(run_dir.iterdir()) if keep_dir else [run_dir]):
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return True
 
 
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = True) -> None:
@@ -89,7 +125,100 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = Tr
     dist.barrier()
 
 
-def check_resume_compatible(saved: dict, current: dict) -> None:
+LOCK_FILE = ".lock"
+
+
+def lock_run_dir(run_dir: Path, world):
+    """Take an exclusive lock on ``run_dir`` for as long as the returned file stays open (rank 0 holds
+    it; None on other ranks). A second process on the same run directory gets RunDirError."""
+    error, handle = None, None
+    if world.is_main:
+        try:
+            handle = open(Path(run_dir) / LOCK_FILE, "a")
+        except OSError as exc:
+            error = f"run directory {str(run_dir)!r} is not writable ({exc.strerror}); choose another --run-dir"
+        else:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.close()
+                handle = None
+                error = (f"run directory {str(run_dir)!r} is in use by another mugrpo process; wait for it to "
+                         "end (or stop it) before resuming, or choose another --run-dir")
+    error = dist.broadcast_object(error)
+    if error:
+        raise RunDirError(error)
+    return handle
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete what an interrupted write left behind in ``run_dir``; returns the removed paths.
+
+    Only with the run directory locked: the names are those of :func:`mugrpo.data.atomic_write`
+    (``.NAME.tmp-PID``) and of the checkpoint and final-model folders built before their rename
+    (``.tmp-NAME``), in the folders mugrpo writes them to.
+    """
+    run_dir = Path(run_dir)
+    folders = [run_dir, run_dir / "checkpoints", *sorted((run_dir / "stages").glob("stage_*"))]
+    removed = []
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.name.startswith(".tmp-") or (path.name.startswith(".") and ".tmp-" in path.name):
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                removed.append(path)
+    return removed
+
+
+def resume_config(run_dir: Path, overrides: list[str]) -> Config:
+    """The config a resumed run trains with: RUN_DIR/config.yaml, then ``key=value`` overrides.
+
+    The result is compared with the config the newest checkpoint was trained with (the run
+    directory's own config.yaml for a run without one yet): resume-safe keys
+    (:data:`RESUME_SAFE_KEYS`) may differ and are applied; any other difference is refused,
+    whether it comes from an override or from an edit of the file.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
+    values = read_config_file(path)
+    if not values:
+        raise RunDirError(f"{path} is empty; restore it (each checkpoints/ckpt_*/config.yaml holds the run's "
+                          "config) or start a new run")
+    cfg = _config_from_file(values, path)
+    for text in overrides:  # applied on top of the saved config, not the defaults
+        set_value(cfg, *parse_override(text))
+    validate(cfg)
+    trained = _trained_config(run_dir)
+    # Compared with today's defaults filled in, so runs saved before a new config key existed still resume.
+    reference = _config_from_file(*trained) if trained else _config_from_file(values, path)
+    source = f"the config the run was trained with ({trained[1]})" if trained else f"{path}"
+    check_resume_compatible(to_dict(reference), to_dict(cfg), source)
+    return cfg
+
+
+def _config_from_file(values: dict, path: Path) -> Config:
+    try:
+        return from_dict(values)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
+
+
+def _trained_config(run_dir: Path) -> tuple[dict, Path] | None:
+    """(values, file) of the config stored in the newest checkpoint that has a readable one."""
+    for folder in reversed(sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))):
+        try:
+            values = read_config_file(folder / "config.yaml")
+        except ConfigError:  # a checkpoint written before configs were stored, or a damaged one
+            continue
+        if values:
+            return values, folder / "config.yaml"
+    return None
+
+
+def check_resume_compatible(saved: dict, current: dict, source: str = "the run's own config") -> None:
     """Raise RunDirError naming every key that differs between the saved and the requested config."""
     def flat(d, prefix=""):
         out = {}
@@ -107,9 +236,10 @@ def check_resume_compatible(saved: dict, current: dict) -> None:
     diff = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and not safe(k)]
     if diff:
         detail = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in diff)
-        raise RunDirError(f"--resume with a config that differs from the run's own ({detail}). A resumed run "
-                          f"must be the same experiment; only {', '.join(RESUME_SAFE_KEYS)} may change. "
-                          "Start a new run for different settings")
+        raise RunDirError(f"--resume with a config (config.yaml plus key=value overrides) that differs from "
+                          f"{source} ({detail}). A resumed run must be the same experiment; only "
+                          f"{', '.join(RESUME_SAFE_KEYS)} may change. Undo those changes, or start a new run for "
+                          "different settings")
 
 
 def truncate_metrics(path: Path, state) -> None:
@@ -176,6 +306,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
         torch.save({"scheduler": scheduler.state_dict()}, tmp / "scheduler.pt")
         trainer_state = {**dataclasses.asdict(state), "elapsed_s": elapsed_s, "world_size": world.size}
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        (tmp / "config.yaml").write_text(dump_yaml(cfg))  # what a resume is checked against
     dist.barrier()
     maybe_die("checkpoint_write")
     if world.is_main:
@@ -200,16 +331,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))
-    return found[-1] if found else None
+_CHECKPOINT_FILES = ("trainer_state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng_rank0.pt")
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be loaded (naming the file), or None if it can.
+
+    Reads every file's header or pickle (tensors memory-mapped, not copied), so a truncated or
+    missing file shows here rather than half-way through a load."""
+    for name in _CHECKPOINT_FILES:
+        file = path / name
+        try:
+            if name.endswith(".json"):
+                json.loads(file.read_text())
+            elif name.endswith(".safetensors"):
+                with safe_open(str(file), "pt") as f:
+                    f.keys()
+            else:
+                torch.load(file, weights_only=False, mmap=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to read means "do not load this one"
+            return f"{file}: {' '.join(str(exc).split()) or type(exc).__name__}"
+    return None
+
+
+def _newest_loadable(run_dir: Path, world) -> Path | None:
+    """The newest checkpoint that can be loaded, warning about each newer one that cannot (rank 0
+    decides and broadcasts). None when there is no checkpoint; RunDirError when none is loadable."""
+    choice, bad = None, []
+    if world.is_main:
+        for path in reversed(sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))):
+            why = _unreadable(path)
+            if why is None:
+                choice = str(path)
+                break
+            bad.append(why)
+            print(f"[mugrpo] warning: checkpoint {path.name} cannot be loaded ({why}); trying an older one")
+    choice, bad = dist.broadcast_object((choice, bad))
+    if choice is None and bad:
+        raise RunDirError(f"no checkpoint of {run_dir} can be loaded ({'; '.join(bad)}). The run cannot be "
+                          "resumed; start a new run (or restore a checkpoint from a backup)")
+    return Path(choice) if choice else None
 
 
 def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
-    """Restore model, optimizer, schedule and RNGs from the newest checkpoint; return the RunState."""
-    from mugrpo.trainer import RunState
+    """Restore model, optimizer, schedule and RNGs from the newest loadable checkpoint; return the RunState."""
 
-    path = latest_checkpoint(run_dir)
+    path = _newest_loadable(run_dir, world)
     if path is None:  # died before the first stage ended: the initial state is a pure function of the config
         if world.is_main:
             print(f"[mugrpo] --resume {run_dir}: no checkpoint yet; restarting from the initial weights "

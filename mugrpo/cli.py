@@ -8,22 +8,13 @@ that names the problem and the fix, never a traceback.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import sys
 import time
 from pathlib import Path
 
-from mugrpo.config import PRESETS, ConfigError, from_dict, load_config, parse_override, set_value, to_dict
-
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError,)
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    from mugrpo.checkpoint import RunDirError
-    from mugrpo.models import ModelError
-    from mugrpo.tasks import TaskError
-    from mugrpo.trainer import TrainingError
-
-    return (ConfigError, RunDirError, ModelError, TaskError, TrainingError)
+from mugrpo.config import PRESETS, ConfigError, load_config
+from mugrpo.errors import UserError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -65,8 +56,12 @@ def _resolve(args) -> "object":
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash in native code (e.g. a reward function that segfaults) still prints the Python stack.
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError):  # a stderr without a file descriptor (e.g. captured in tests)
+        pass
     args = build_parser().parse_args(argv)
-    errors = _user_errors()
     try:
         if getattr(args, "_extra_module", None):
             return __import__(args._extra_module, fromlist=["run"]).run(args) or 0
@@ -79,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.verb == "config":
             return _config_verb(args)
         return _train_verb(args)
-    except errors as exc:
+    except UserError as exc:  # every module's user-facing error derives from it (mugrpo/errors.py)
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
 
@@ -96,26 +91,18 @@ def _config_verb(args) -> int:
 
 
 def _train_verb(args) -> int:
-    import yaml
-
-    from mugrpo.checkpoint import Interrupted, check_resume_compatible
+    from mugrpo.checkpoint import Interrupted, resume_config
     from mugrpo.trainer import train
 
     if args.resume:
         run_dir = Path(args.resume)
-        saved_path = run_dir / "config.yaml"
-        if not saved_path.is_file():
-            raise ConfigError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
+        if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():
+            raise ConfigError(f"--resume {args.resume} continues the run in that directory; drop --run-dir "
+                              f"{args.run_dir} (a resumed run cannot move to another directory)")
         if args.preset or args.config:
             raise ConfigError("--resume takes the run's own config.yaml; drop --preset/--config "
                               "(key=value overrides of resume-safe keys are allowed)")
-        saved = yaml.safe_load(saved_path.read_text())
-        cfg = from_dict(saved)
-        for text in args.overrides:  # applied on top of the saved config, not the defaults
-            set_value(cfg, *parse_override(text))
-        # Compare against the saved config with today's defaults filled in, so runs saved before a new
-        # config section existed still resume.
-        check_resume_compatible(to_dict(from_dict(saved)), to_dict(cfg))
+        cfg = resume_config(run_dir, args.overrides)
     else:
         cfg = _resolve(args)
         run_dir = Path(args.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -23,9 +23,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad key or value in the configuration; the message names the key and the fix."""
+from mugrpo.engines import ENGINES
+from mugrpo.errors import ConfigError
+from mugrpo.plan import make_plan
 
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
@@ -87,8 +87,8 @@ class TaskConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["auto", "hf", "vllm"] = "auto"
-    """``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    engine: str = "auto"
+    """``auto``, or an engine of the registry ``mugrpo.engines.ENGINES`` (``hf``, ``vllm``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
     else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
     (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing."""
     group_size: int = 8
@@ -151,9 +151,21 @@ class ScheduleConfig:
     """Optional cap on sequences per micro-batch on top of the token budget; null: no cap."""
 
 
+CLIP_MODES = ("ppo", "m2po")
+VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
+VETO_NORMALIZERS = ("pre_veto", "post_veto")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+"""The accepted values of the loss section, defined once: the fields below are typed by them and the
+loss module (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`) checks against them."""
+
+
 @dataclass
 class LossConfig:
-    clip_mode: Literal["ppo", "m2po"] = "ppo"
+    """The loss section. :class:`mugrpo.losses.LossSettings` is built from it field by field, so a new
+    loss option is a field here and its use in mugrpo/losses.py, nothing else."""
+
+    clip_mode: Literal[CLIP_MODES] = "ppo"
     clip_eps_low: float = 1.0
     """Ratio lower bound is ``1 - clip_eps_low`` (1.0 -> 0: relaxed)."""
     clip_eps_high: float = 4.0
@@ -162,13 +174,19 @@ class LossConfig:
     """Optional cap c on rho*|A| for A < 0 (dual-clip); off by default."""
     m2po_budget: float = 0.04
     """M2PO: second-moment budget of log-ratios over harmful tokens."""
-    veto_scope: Literal["none", "trigger", "suffix", "suffix_nontrigger", "sequence"] = "suffix"
+    ratio_level: Literal[RATIO_LEVELS] = "token"
+    """``token``: one ratio per token (GRPO, Mu-GRPO). ``sequence``: GSPO (arXiv 2507.18071; TRL's
+    ``importance_sampling_level="sequence"``): every token of a response uses the response's
+    geometric-mean ratio exp(mean_t log rho_t), clipped as a whole. With the veto on, the mean runs
+    over the tokens the veto keeps: a vetoed token neither carries loss nor moves the ratio; the
+    triggers themselves stay token-level (a token the current policy finds far less likely)."""
+    veto_scope: Literal[VETO_SCOPES] = "suffix"
     veto_delta: float = 1e-4
     """A token of an A<0 response triggers the veto when rho < delta (compared in log space)."""
-    veto_normalizer: Literal["pre_veto", "post_veto"] = "pre_veto"
+    veto_normalizer: Literal[VETO_NORMALIZERS] = "pre_veto"
     """pre_veto: divide by the token count before the veto (a firing veto never scales up the other
     tokens); post_veto: by the kept count (costs one extra no-grad forward per update)."""
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    aggregation: Literal[AGGREGATIONS] = "token-mean"
     kl_beta: float = 0.0
     """k3 KL to the reference (initial) policy; 0 = off and no reference model is loaded."""
     entropy_coef: float = 0.0
@@ -177,6 +195,12 @@ class LossConfig:
     adv_eps: float = 1e-6
     drop_zero_var_groups: bool = False
     """Drop groups whose rewards are all equal from the stage dataset (DAPO dynamic sampling)."""
+
+    def describe(self) -> str:
+        """The clip range and ratio level in words (for the printed plan)."""
+        clip = (f"M2PO (second-moment budget {self.m2po_budget:g})" if self.clip_mode == "m2po"
+                else f"[{1 - self.clip_eps_low:g}, {1 + self.clip_eps_high:g}]")
+        return clip if self.ratio_level == "token" else f"{clip} on the sequence-level ratio (GSPO)"
 
 
 @dataclass
@@ -324,7 +348,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
+# docs/ALGORITHM.md section 8. Each preset is a set of overrides; everything stays overridable.
 _STRICT = {"loss.clip_mode": "ppo", "loss.clip_eps_low": 0.2, "loss.clip_eps_high": 0.2, "loss.veto_scope": "none"}
 _STALE = {"schedule.num_stages": 4, "schedule.updates_per_stage": None}
 PRESETS: dict[str, dict[str, Any]] = {
@@ -405,7 +429,7 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
             prefix = ".".join(parts[:depth])
             valid = sorted((f"{prefix}.{n}" if prefix else n) for n in fields)
             close = difflib.get_close_matches(".".join(parts[: depth + 1]), valid, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
+            hint = _colon_hint(part) or (f" Did you mean {close[0]!r}?" if close else "")
             raise ConfigError(f"unknown config key {key!r}.{hint} Valid keys here: {', '.join(valid)}")
         if depth == len(parts) - 1:
             if dataclasses.is_dataclass(getattr(obj, part)):
@@ -415,11 +439,24 @@ def set_value(cfg: Config, key: str, value: Any) -> None:
                     set_value(cfg, f"{key}.{sub}", sub_value)
                 return
             hints = typing.get_type_hints(type(obj))
+            for sub in value if isinstance(value, dict) else ():
+                if isinstance(sub, str) and value[sub] is None and _colon_hint(sub):
+                    raise ConfigError(f"{key}: key {sub!r} has no value.{_colon_hint(sub)}")
             setattr(obj, part, _coerce(key, value, hints[part]))
         else:
             obj = getattr(obj, part)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"{key}: {'.'.join(parts[: depth + 1])} is a value, not a section")
+
+
+def _colon_hint(key: str) -> str:
+    """A hint for ``{a:1}``, which YAML reads as the single key 'a:1' (a flow mapping needs a space after
+    the colon); empty for other keys."""
+    name, colon, rest = key.partition(":")
+    if not colon or not name.strip() or rest.startswith(" "):
+        return ""
+    return (f" YAML reads {key!r} as one key because there is no space after the colon; "
+            f"write {{{name}: {rest}}}.")
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -437,18 +474,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def load_config(preset: Optional[str] = None, file: Optional[str | Path] = None,
                 overrides: Optional[list[str]] = None) -> Config:
     """Defaults -> preset -> YAML file -> ``key=value`` overrides, then :func:`validate`."""
-    file_values: dict[str, Any] = {}
-    if file is not None:
-        path = Path(file)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
-        file_values = dict(loaded)
+    file_values = read_config_file(file) if file is not None else {}
     cli_values = [parse_override(o) for o in overrides or []]
     name = preset or file_values.pop("preset", None) or dict(cli_values).get("preset") or Config.preset
     file_values.pop("preset", None)
@@ -461,6 +487,26 @@ def load_config(preset: Optional[str] = None, file: Optional[str | Path] = None,
         set_value(cfg, key, value)
     validate(cfg)
     return cfg
+
+
+def read_config_file(file: str | Path) -> dict[str, Any]:
+    """The mapping a YAML config file holds ({} for an empty file); ConfigError naming the file when it
+    is missing, unreadable, not UTF-8, not YAML, or not a mapping."""
+    path = Path(file)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "save it as UTF-8") from exc
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys to values")
+    return dict(loaded)
 
 
 def _check(ok: bool, key: str, accepted: str, value: Any) -> None:
@@ -485,10 +531,12 @@ def validate(cfg: Config) -> None:
     if r.prompts_per_stage is not None:
         _check(r.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null", r.prompts_per_stage)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", r.max_new_tokens)
-    _check(r.temperature > 0, "rollout.temperature", "> 0 (training samples; greedy is for eval)", r.temperature)
+    _check(0 < r.temperature < math.inf, "rollout.temperature", "a finite number > 0 (training samples; greedy is "
+           "for eval)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "in (0, 1]", r.top_p)
     _check(r.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", r.top_k)
     _check(r.batch_size >= 1, "rollout.batch_size", "an integer >= 1", r.batch_size)
+    _check(r.engine in ("auto", *ENGINES), "rollout.engine", f"one of {', '.join(('auto', *ENGINES))}", r.engine)
     _validate_vllm(r)
     _check(0 <= loss.clip_eps_low <= 1, "loss.clip_eps_low", "in [0, 1] (lower bound 1 - eps >= 0)", loss.clip_eps_low)
     _check(loss.clip_eps_high >= 0, "loss.clip_eps_high", ">= 0", loss.clip_eps_high)
@@ -499,12 +547,18 @@ def validate(cfg: Config) -> None:
     _check(loss.kl_beta >= 0, "loss.kl_beta", ">= 0", loss.kl_beta)
     _check(loss.adv_eps > 0, "loss.adv_eps", "> 0", loss.adv_eps)
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
+    for key in ("beta1", "beta2"):
+        _check(0 <= getattr(o, key) < 1, f"optim.{key}", "in [0, 1)", getattr(o, key))
+    _check(0 <= o.weight_decay < math.inf, "optim.weight_decay", "a finite number >= 0", o.weight_decay)
+    _check(0 < o.eps < math.inf, "optim.eps", "a finite number > 0", o.eps)
     _check(o.max_grad_norm > 0, "optim.max_grad_norm", "> 0", o.max_grad_norm)
     _check(o.warmup_updates >= 0, "optim.warmup_updates", ">= 0", o.warmup_updates)
     _check(cfg.task.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1", cfg.task.max_prompt_tokens)
     _check(cfg.task.size >= 1, "task.size", ">= 1", cfg.task.size)
     _check(cfg.task.eval_size >= 0, "task.eval_size", ">= 0", cfg.task.eval_size)
-    _check(cfg.task.reward_timeout_s > 0, "task.reward_timeout_s", "> 0", cfg.task.reward_timeout_s)
+    # A per-call limit of inf makes setitimer raise on every call, so every reward would score 0.
+    _check(0 < cfg.task.reward_timeout_s < math.inf, "task.reward_timeout_s", "a finite number of seconds > 0",
+           cfg.task.reward_timeout_s)
     if cfg.task.reward_fn is not None:
         _check(":" in cfg.task.reward_fn, "task.reward_fn", "'module:function'", cfg.task.reward_fn)
     for i, shot in enumerate(cfg.task.few_shot):
@@ -521,10 +575,7 @@ def validate(cfg: Config) -> None:
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
     _validate_eval_and_log(cfg)
-    # Schedule consistency is the planner's job; call it here so errors surface at start-up.
-    from mugrpo.plan import make_plan
-
-    make_plan(cfg)
+    make_plan(cfg)  # schedule consistency is the planner's job; called here so errors surface at start-up
 
 
 LOGGERS = ("tensorboard", "wandb")
@@ -534,7 +585,8 @@ def _validate_eval_and_log(cfg: Config) -> None:
     e = cfg.eval
     for key in ("num_items", "every_stages", "every_updates", "k"):
         _check(getattr(e, key) >= 0, f"eval.{key}", "an integer >= 0 (0 = off)", getattr(e, key))
-    _check(e.temperature > 0, "eval.temperature", "> 0 (greedy decoding is eval.greedy)", e.temperature)
+    _check(0 < e.temperature < math.inf, "eval.temperature", "a finite number > 0 (greedy decoding is eval.greedy)",
+           e.temperature)
     if e.max_new_tokens is not None:
         _check(e.max_new_tokens >= 1, "eval.max_new_tokens", "an integer >= 1 or null", e.max_new_tokens)
     if e.num_items and not (e.greedy or e.k):

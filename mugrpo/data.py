@@ -1,9 +1,10 @@
 """The stage dataset: one stage's rollouts, persisted, and cut into update minibatches.
 
 A stage's data is static: prompts, sampled responses, their behaviour log-probs, rewards and the
-advantages computed once at generation time. It is written atomically to
-``RUN_DIR/stages/stage_KKK/rollouts.safetensors`` right after scoring, so a run resumed mid-stage
-never regenerates. Sequences are stored group by group: sequence s belongs to group s // G.
+advantages computed once at generation time. Each rank writes its shard atomically to
+``RUN_DIR/stages/stage_KKK/rollouts_rank{R}.safetensors`` right after scoring, so a run resumed
+mid-stage never regenerates. Sequences are stored group by group: sequence s belongs to group s // G.
+The names of a stage's files are defined here and nowhere else (:func:`stage_dir` and below).
 
 Shapes: B sequences in a micro-batch, P padded prompt length, R padded response length.
 """
@@ -18,7 +19,36 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from mugrpo import seeds
+from mugrpo.errors import UserError
+
 FORMAT_VERSION = 1
+SHARDS_FILE = "shards.json"
+"""Written by rank 0 once every rank's shard is on disk: the stage is complete."""
+
+
+class StageDataError(UserError, RuntimeError):
+    """A persisted stage file that cannot be read; the message names it and says how to recover."""
+
+    def __init__(self, path: Path, cause: BaseException):
+        path, why = Path(path), " ".join(str(cause).split()) or type(cause).__name__
+        super().__init__(f"stage data file {path} cannot be read ({why}): "
+                         f"damaged or incomplete. Delete the folder {path.parent} and resume (mugrpo train "
+                         "--resume RUN_DIR): that stage's data is then generated again, by the resumed policy")
+
+
+def stage_dir(run_dir: Path, stage: int) -> Path:
+    return Path(run_dir) / "stages" / f"stage_{stage:03d}"
+
+
+def shard_path(stage_dir: Path, shard: int) -> Path:
+    """Shard ``shard`` of a stage's data (written by the rank of that number)."""
+    return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
+
+
+def text_path(stage_dir: Path, rank: int, world_size: int) -> Path:
+    """The human-readable jsonl of a rank's shard (one file, without a rank, for a single process)."""
+    return Path(stage_dir) / ("rollouts.jsonl" if world_size == 1 else f"rollouts_rank{rank}.jsonl")
 
 
 @dataclass
@@ -74,19 +104,21 @@ class StageData:
 
     @classmethod
     def load(cls, path: Path) -> "StageData":
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
-        t = load_file(str(path))
+        from safetensors import SafetensorError, safe_open
 
         def unflat(values, offsets):
             o = offsets.tolist()
             return [values[a:b].tolist() for a, b in zip(o, o[1:])]
 
-        return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
-                   unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
-                   t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]))
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = f.metadata()
+            t = load_file(str(path))
+            return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
+                       unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
+                       t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]))
+        except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
+            raise StageDataError(path, exc) from exc
 
 
 def atomic_write(path: Path, write) -> None:
@@ -122,7 +154,7 @@ def update_groups(num_groups: int, prompts_per_update: int, update_in_stage: int
     """
     start = update_in_stage * prompts_per_update
     first_pass, last_pass = start // num_groups, (start + prompts_per_update - 1) // num_groups
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + stage)
+    gen = torch.Generator().manual_seed(seeds.minibatch_order(seed, stage))
     perms = [torch.randperm(num_groups, generator=gen) for _ in range(last_pass + 1)]
     order = torch.cat(perms[first_pass:])
     offset = start - first_pass * num_groups

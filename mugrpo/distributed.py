@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from mugrpo.data import StageData, atomic_write_text, update_groups
+from mugrpo.data import SHARDS_FILE, StageData, StageDataError, atomic_write_text, shard_path, update_groups
 
 
 @dataclass(frozen=True)
@@ -144,9 +144,6 @@ def sum_metrics(summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------
 # The stage dataset, split across ranks.
 
-SHARDS_FILE = "shards.json"
-
-
 @dataclass
 class ShardedStage(StageData):
     """The concatenation of the stage shards this rank owns, group-major, shard by shard."""
@@ -158,10 +155,6 @@ class ShardedStage(StageData):
 def generation_share(indices: list, world: World) -> list:
     """This rank's share of the stage's sampled prompts: whole groups, ``indices[rank::W]``."""
     return indices[world.rank::world.size]
-
-
-def shard_path(stage_dir: Path, shard: int) -> Path:
-    return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
 
 
 def save_stage_shard(data: StageData, stage_dir: Path, world: World) -> None:
@@ -184,7 +177,10 @@ def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
     if world.is_main:
         marker = stage_dir / SHARDS_FILE
         if marker.is_file():
-            num_shards = json.loads(marker.read_text())["num_shards"]
+            try:
+                num_shards = int(json.loads(marker.read_text())["num_shards"])
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+                raise StageDataError(marker, exc) from exc
     num_shards = broadcast_object(num_shards)
     if num_shards is None:
         return None

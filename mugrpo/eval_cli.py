@@ -3,7 +3,7 @@
 ``--model`` takes an HF folder or hub id, the built-in alias, a run directory (its
 ``final_model``, with the run's own prompt format and task) or one of its checkpoints
 (``RUN_DIR/checkpoints/ckpt_*``: the run's base model with the checkpoint's weights pushed into
-the engine). Task specs are described in :mod:`mugrpo.benchmarks`. ``key=value`` overrides of
+the engine). Task specs are described in :mod:`mugrpo.eval_sets`. ``key=value`` overrides of
 ``task.*`` (prompt format, scorer) and ``rollout.*`` (engine batch size, dtype, vLLM knobs) apply
 on top of the run's config (or the defaults).
 
@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from mugrpo.config import ConfigError, from_dict, load_config, parse_override, set_value
-from mugrpo.metrics import json_safe
+from mugrpo.config import ConfigError, from_dict, load_config, parse_override, read_config_file, set_value
+from mugrpo.engines import ENGINES
+from mugrpo.loggers import json_safe
 
 
 def add_arguments(p) -> None:
@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
-    p.add_argument("--engine", choices=("auto", "hf", "vllm"), default=None, help="default: rollout.engine")
+    p.add_argument("--engine", choices=("auto", *ENGINES), default=None, help="default: rollout.engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", help="YAML file of task.*/rollout.* overrides")
     p.add_argument("--out", help="write the results as JSON here (default: RUN_DIR/eval/<time>.json for a run)")
@@ -48,7 +48,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from mugrpo.benchmarks import resolve, split_specs
+    from mugrpo.eval_sets import resolve, split_specs
     from mugrpo.engines import make_engine
     from mugrpo.eval_metrics import macro_average
     from mugrpo.evaluate import generate_and_score, render_prompts, summarize_generations
@@ -57,6 +57,11 @@ def run(args) -> int:
     source = resolve_model(args.model)
     cfg = _config(source, args)
     settings = _settings(args, cfg)
+    out = args.out or (Path(source["run_dir"]) / "eval" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
+                       if source["run_dir"] else None)
+    for path, flag in ((out, "--out"), (args.samples, "--samples")):
+        if path:  # before the evaluation, not after it
+            _check_writable_file(Path(path), flag)
     specs = split_specs(args.task or ["train"])
     tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
     eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
@@ -89,8 +94,6 @@ def run(args) -> int:
                            "correct_at": settings.correct_at, "num_items": args.num_items},
               "tasks": results, "overall": overall}
     print(format_table(results, overall))
-    out = args.out or (Path(source["run_dir"]) / "eval" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
-                       if source["run_dir"] else None)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(json_safe(report), indent=1) + "\n")
@@ -104,6 +107,20 @@ def run(args) -> int:
     return 0
 
 
+def _check_writable_file(path: Path, flag: str) -> None:
+    """ConfigError unless ``path`` can be written as a file: not a folder, and its nearest existing
+    parent a writable folder (missing folders are made when writing)."""
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a folder; give a file path, e.g. {path / 'eval.json'}")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not
+                                                                           os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: cannot be written there ({parent} is not a writable folder); "
+                          "choose another path")
+
+
 def resolve_model(text: str) -> dict:
     """What ``--model`` names: model folder to load, optional checkpoint weights, the run's config."""
     from mugrpo.checkpoint import RunDirError
@@ -112,7 +129,8 @@ def resolve_model(text: str) -> dict:
     path = Path(text).expanduser()
     if (path / "model.safetensors").is_file() and (path / "trainer_state.json").is_file():
         run_dir = path.parent.parent  # RUN_DIR/checkpoints/ckpt_*
-        saved = _saved_config(run_dir, text)
+        # The config the checkpoint was trained with; checkpoints of older runs have none.
+        saved = _saved_config(path if (path / "config.yaml").is_file() else run_dir, text)
         base = resolve_model_path(saved["model"]["name"], saved["model"].get("cache_dir", "~/.cache/mugrpo"))
         return {"model_path": base, "weights": str(path / "model.safetensors"), "run_dir": str(run_dir),
                 "saved": saved}
@@ -124,6 +142,10 @@ def resolve_model(text: str) -> dict:
                               "train.save_final_model=false); pass one of its checkpoints instead: "
                               f"--model {path}/checkpoints/ckpt_...")
         return {"model_path": str(final), "weights": None, "run_dir": str(path), "saved": saved}
+    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+        raise RunDirError(f"--model {text}: a mugrpo run directory without its config.yaml; restore it (each "
+                          f"checkpoint holds a copy: cp {path}/checkpoints/ckpt_.../config.yaml {path}/), or "
+                          f"pass --model {path}/final_model to evaluate the model with the default task")
     return {"model_path": resolve_model_path(text), "weights": None, "run_dir": None, "saved": None}
 
 
@@ -133,7 +155,10 @@ def _saved_config(run_dir: Path, text: str) -> dict:
     file = Path(run_dir) / "config.yaml"
     if not file.is_file():
         raise RunDirError(f"--model {text}: no config.yaml in {run_dir}, so it is not a mugrpo run")
-    return yaml.safe_load(file.read_text())
+    values = read_config_file(file)
+    if not values:
+        raise RunDirError(f"--model {text}: {file} is empty; restore it (each checkpoint holds a copy)")
+    return values
 
 
 def _config(source: dict, args):
@@ -146,8 +171,7 @@ def _config(source: dict, args):
         return load_config(None, args.config, args.overrides)
     cfg = from_dict(source["saved"])
     if args.config:
-        file_cfg = yaml.safe_load(Path(args.config).read_text()) or {}
-        for key, value in file_cfg.items():
+        for key, value in read_config_file(args.config).items():
             set_value(cfg, key, value)
     for text in args.overrides:
         set_value(cfg, *parse_override(text))

@@ -11,7 +11,7 @@ differences between evaluations come from the weights. The engine's sampling nev
 trainer's RNG (engines fork it), so evaluating does not change the training run.
 
 The metric math lives in :mod:`mugrpo.eval_metrics`; which items to evaluate in
-:mod:`mugrpo.benchmarks`. Scoring is the task's own (:meth:`mugrpo.tasks.Task.score_all`).
+:mod:`mugrpo.eval_sets`. Scoring is the task's own (:meth:`mugrpo.tasks.Task.score_all`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from typing import Callable, Optional
 import torch
 
 from mugrpo import distributed as dist
-from mugrpo.engines import SamplingConfig
+from mugrpo import seeds
+from mugrpo.engines import SamplingConfig, weights_loaded
 from mugrpo.eval_metrics import summarize
-from mugrpo.tasks import Item, Task, TaskError, prompt_ids
+from mugrpo.tasks import Item, Task, limit_prompts, prompt_ids
 
 
 @dataclass(frozen=True)
@@ -67,20 +68,11 @@ def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[in
     prompts over ``task.max_prompt_tokens``: ``error`` raises, ``skip`` drops the item (with a
     warning: the metrics are then over fewer items), ``truncate`` keeps the prompt's tail."""
     prompts = [prompt_ids(tokenizer, item.question, task_cfg) for item in items]
-    limit = task_cfg.max_prompt_tokens
-    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
-    if not too_long:
-        return prompts, list(items)
-    if task_cfg.prompt_too_long == "error":
-        raise TaskError(f"{len(too_long)} evaluation prompt(s) are longer than task.max_prompt_tokens={limit} "
-                        f"(longest {max(len(prompts[i]) for i in too_long)} tokens); raise the limit, or set "
-                        "task.prompt_too_long=skip or truncate")
-    if task_cfg.prompt_too_long == "truncate":
-        return [p[-limit:] for p in prompts], list(items)
-    print(f"[mugrpo] warning: skipping {len(too_long)} of {len(items)} evaluation items whose prompt is longer "
-          f"than task.max_prompt_tokens={limit}", file=sys.stderr)
-    keep = [i for i in range(len(items)) if len(prompts[i]) <= limit]
-    return [prompts[i] for i in keep], [items[i] for i in keep]
+    prompts, kept = limit_prompts(prompts, task_cfg, "evaluation")
+    if len(kept) < len(items):
+        print(f"[mugrpo] warning: skipping {len(items) - len(kept)} of {len(items)} evaluation items whose prompt is "
+              f"longer than task.max_prompt_tokens={task_cfg.max_prompt_tokens}", file=sys.stderr)
+    return prompts, [items[i] for i in kept]
 
 
 def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts: list[list[int]],
@@ -155,7 +147,7 @@ class TrainingEvaluator:
         self.policy, self.logger, self.world, self.progress, self.t_start = policy, logger, world, progress, t_start
         self.settings = EvalSettings(greedy=e.greedy, n=e.k, ks=tuple(sorted({1, e.k})) if e.k else (),
                                      temperature=e.temperature, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-                                     seed=cfg.train.seed * 1_000_003 + 7_919)
+                                     seed=seeds.eval_sampling(cfg.train.seed))
         items = task.eval_items[: e.num_items]
         self.enabled = bool(e.num_items)
         if self.enabled and not items:
@@ -198,14 +190,12 @@ class TrainingEvaluator:
             return 0.0
         self._last_update = state.update
         t0 = time.perf_counter()
-        self.engine.wake()
-        self.engine.load_weights(dist.full_state_items(self.policy))  # a collective under FSDP2
         n_seq = len(self.items) * (int(self.settings.greedy) + self.settings.n)
-        bar = self.progress.bar(n_seq, f"eval @ update {state.update}", unit="seq")
-        gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts, self.settings,
-                                 progress=lambda n: self.progress.advance(bar, n))
-        self.progress.close(bar)
-        self.engine.sleep()
+        with weights_loaded(self.engine, dist.full_state_items(self.policy)):  # a collective under FSDP2
+            bar = self.progress.bar(n_seq, f"eval @ update {state.update}", unit="seq")
+            gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts, self.settings,
+                                     progress=lambda n: self.progress.advance(bar, n))
+            self.progress.close(bar)
         gen = _gather(gen, self.settings, self.world)
         seconds = time.perf_counter() - t0
         self._stage_s += seconds

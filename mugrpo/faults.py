@@ -1,7 +1,8 @@
 """Deliberate process death at named points, for the kill-and-resume tests.
 
 ``MUGRPO_DIE_AT="point:n"`` makes the process SIGKILL itself the n-th time (1-based) it passes
-``point``. Points: ``generate`` (after a generation batch), ``update`` (after an optimizer update,
+``point``; ``MUGRPO_STOP_AT="point:n"`` sends it SIGTERM there instead (a graceful stop that lands
+exactly where the test says, whatever the machine's load). Points: ``generate`` (after a generation batch), ``update`` (after an optimizer update,
 before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename). Unset in
 normal use; reading one environment variable is the whole cost.
 """
@@ -15,20 +16,22 @@ _counts: dict[str, int] = {}
 
 
 def maybe_die(point: str) -> None:
-    spec = os.environ.get("MUGRPO_DIE_AT")
-    if not spec:
-        return
-    name, _, nth = spec.partition(":")
-    if name != point:
-        return
-    _counts[point] = _counts.get(point, 0) + 1
-    if _counts[point] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    for variable, sig in (("MUGRPO_DIE_AT", signal.SIGKILL), ("MUGRPO_STOP_AT", signal.SIGTERM)):
+        spec = os.environ.get(variable)
+        if not spec:
+            continue
+        name, _, nth = spec.partition(":")
+        if name != point:
+            continue
+        key = f"{variable}:{point}"
+        _counts[key] = _counts.get(key, 0) + 1
+        if _counts[key] == int(nth or 1):
+            os.kill(os.getpid(), sig)
 
 
 def should_poison(point: str) -> bool:
     """``MUGRPO_POISON_AT="point:n"``: True the n-th time ``point`` is passed (e.g. ``loss`` makes that
-    update's loss NaN), to test that non-finite updates are skipped and counted."""
+    update's loss NaN), to test that non-finite updates are skipped and counted; ``point:*``: every time."""
     spec = os.environ.get("MUGRPO_POISON_AT")
     if not spec:
         return False
@@ -37,4 +40,4 @@ def should_poison(point: str) -> bool:
         return False
     key = f"poison:{point}"
     _counts[key] = _counts.get(key, 0) + 1
-    return _counts[key] == int(nth or 1)
+    return nth == "*" or _counts[key] == int(nth or 1)

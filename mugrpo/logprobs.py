@@ -1,4 +1,4 @@
-"""Token log-probs and entropy from logits at a sampling temperature (ALGORITHM.md section 5).
+"""Token log-probs and entropy from logits at a sampling temperature (docs/ALGORITHM.md section 5).
 
 Shapes: B sequences, T response tokens, V vocabulary. Pure functions on tensors.
 """

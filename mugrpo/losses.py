@@ -1,7 +1,9 @@
 """The per-token policy loss: clipped surrogate (PPO or M2PO bounds), veto, aggregation, KL, entropy.
 
-ALGORITHM.md sections 5-8. Every function is pure: tensors and plain scalars in, a loss and a
-dict of metric tensors out. No model, no config object, no ``.item()``, no collectives.
+docs/ALGORITHM.md sections 5-8. Every function is pure: tensors and plain values in (the loss options
+as one frozen :class:`LossSettings`), a loss and a dict of metric tensors out. No model, no run
+config, no ``.item()``, no collectives. A new loss option is a field of ``LossSettings`` and of
+``config.LossConfig``, and its use here; the trainer passes the settings through untouched.
 
 Shapes: B sequences, T response tokens (right-padded; ``mask`` [B, T] marks real tokens).
 
@@ -18,11 +20,13 @@ micro-batches gives exactly the gradient of the one-batch loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
+from mugrpo.config import AGGREGATIONS, CLIP_MODES, RATIO_LEVELS
 from mugrpo.veto import veto_mask
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOG_RATIO_GUARD = 20.0
 """|log rho| is clamped here before exp(): a numeric guard (rho up to 4.8e8), not a trust region."""
 
@@ -30,7 +34,7 @@ LOG_RATIO_GUARD = 20.0
 def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: torch.Tensor | float,
                       high: torch.Tensor | float, dual_clip_c: float | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """l = -min(rho * A, clip(rho, low, high) * A), rho = exp(log_ratio) (ALGORITHM.md section 5).
+    """l = -min(rho * A, clip(rho, low, high) * A), rho = exp(log_ratio) (docs/ALGORITHM.md section 5).
 
     Standard GRPO: [low, high] = [0.8, 1.2]; Mu-GRPO relaxed: [0, 5]. Under the min form a bound
     binds only on the harmful side: the low bound for A < 0 (rho < low), the high bound for A > 0
@@ -52,15 +56,15 @@ def m2po_tau(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
              ) -> torch.Tensor:
     """M2PO's bound tau: the largest tau with mean over harmful tokens of min(|log rho|, tau)^2 <= budget.
 
-    Harmful tokens: A > 0 with rho > 1, or A < 0 with rho < 1 (arXiv 2510.01161, as ALGORITHM.md
+    Harmful tokens: A > 0 with rho > 1, or A < 0 with rho < 1 (arXiv 2510.01161, as docs/ALGORITHM.md
     section 8 states it). Returns +inf when the uncapped second moment is already within budget.
     Solved exactly: with the k smallest |log rho| left uncapped, tau^2 = (n*budget - S_k)/(n - k),
     valid when it lies between the k-th and (k+1)-th smallest values.
     """
-    lr = log_ratio.detach().float()
+    log_rho = log_ratio.detach().float()
     adv = advantages[:, None]
-    harmful = mask.bool() & (((adv > 0) & (lr > 0)) | ((adv < 0) & (lr < 0)))
-    x = torch.where(harmful, lr.abs(), torch.full_like(lr, float("inf"))).flatten().sort().values
+    harmful = mask.bool() & (((adv > 0) & (log_rho > 0)) | ((adv < 0) & (log_rho < 0)))
+    x = torch.where(harmful, log_rho.abs(), torch.full_like(log_rho, float("inf"))).flatten().sort().values
     n = harmful.sum().to(torch.float32)
     sq = torch.where(torch.isfinite(x), x * x, torch.zeros_like(x))
     s_before = torch.cumsum(sq, 0) - sq  # S_k: sum of the k smallest squares
@@ -98,80 +102,127 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything :func:`policy_loss` needs besides tensors. The defaults live in
+    :class:`mugrpo.config.LossConfig`; :meth:`from_config` copies its fields by name."""
+
+    clip_mode: str
+    clip_eps_low: float
+    clip_eps_high: float
+    dual_clip_c: float | None
+    m2po_budget: float
+    ratio_level: str
+    veto_scope: str
+    veto_delta: float
+    veto_normalizer: str
+    aggregation: str
+    kl_beta: float
+    entropy_coef: float
+    seq_len_norm: int
+    """L of ``seq-mean-token-sum-norm`` (the run's max new tokens)."""
+
+    @classmethod
+    def from_config(cls, loss_cfg, seq_len_norm: int) -> "LossSettings":
+        return cls(seq_len_norm=seq_len_norm, **{f.name: getattr(loss_cfg, f.name) for f in fields(cls)
+                                                 if f.name != "seq_len_norm"})
+
+    @property
+    def zero_advantage_is_inert(self) -> bool:
+        """Whether a sequence with A = 0 adds exactly nothing to the loss and its gradient: its
+        surrogate is -min(rho * 0, clip(rho) * 0) = 0, and no other term (KL, entropy) is on."""
+        return self.kl_beta == 0 and self.entropy_coef == 0
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level log-ratio, mean_t log rho_t over the ``keep`` tokens, at every token [B, T].
+
+    (Zheng et al., arXiv 2507.18071; TRL ``importance_sampling_level="sequence"``.) The gradient
+    flows into every kept token's log-prob through the mean, 1 / |kept| each.
+    """
+    k = keep.to(log_ratio.dtype)
+    mean = (log_ratio * k).sum(1, keepdim=True) / k.sum(1, keepdim=True).clamp(min=1)
+    return mean.expand_as(log_ratio)
+
+
 def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, denominator: torch.Tensor | float, clip_mode: str = "ppo",
-                clip_eps_low: float = 1.0, clip_eps_high: float = 4.0, dual_clip_c: float | None = None,
-                m2po_budget: float = 0.04, veto_scope: str = "suffix", veto_delta: float = 1e-4,
-                post_veto_normalizer: bool = False, aggregation: str = "token-mean", seq_len_norm: int = 1,
-                ref_logprobs: torch.Tensor | None = None, kl_beta: float = 0.0,
-                entropy: torch.Tensor | None = None, entropy_coef: float = 0.0
+                mask: torch.Tensor, settings: LossSettings, *, denominator: torch.Tensor | float,
+                ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Mu-GRPO loss of one micro-batch, and its metrics as [numerator, denominator] pairs.
 
     ``logprobs`` [B, T] carry the gradient; ``behavior_logprobs`` [B, T] are the stored behaviour
     log-probs (detached here: no gradient ever flows into them); ``advantages`` [B] are frozen for
     the stage. Token loss = clipped surrogate (+ kl_beta * k3(ref) - entropy_coef * H); vetoed
-    tokens leave the numerator. With ``post_veto_normalizer`` the seq-mean per-sequence counts are
-    post-veto (the caller then also passes a post-veto ``denominator``).
+    tokens leave the numerator. With ``veto_normalizer="post_veto"`` the seq-mean per-sequence
+    counts are post-veto (the caller then also passes a post-veto ``denominator``).
     """
+    s = settings
     mask = mask.bool()
     fmask = mask.to(logprobs.dtype)
     log_ratio = logprobs - behavior_logprobs.detach()
-    veto = veto_mask(log_ratio, advantages, mask, delta=veto_delta, scope=veto_scope)
-    if clip_mode == "m2po":
-        tau = m2po_tau(log_ratio, advantages, mask, m2po_budget)
-        low, high = torch.exp(-tau), torch.exp(tau)
-    elif clip_mode == "ppo":
-        tau = None
-        low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
-    else:
-        raise ValueError(f"unknown clip mode {clip_mode!r}; choose 'ppo' or 'm2po'")
-    token_loss, clip_low, clip_high = clipped_surrogate(log_ratio, advantages, low, high, dual_clip_c)
+    veto = veto_mask(log_ratio, advantages, mask, delta=s.veto_delta, scope=s.veto_scope)
     keep = mask & ~veto.vetoed
     fkeep = keep.to(logprobs.dtype)
-    per_seq = (fkeep if post_veto_normalizer else fmask).sum(1)
-    agg = dict(mode=aggregation, denominator=denominator, seq_len_norm=seq_len_norm)
+    if s.ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"unknown ratio level {s.ratio_level!r}; choose one of {RATIO_LEVELS}")
+    surrogate_log_ratio = log_ratio if s.ratio_level == "token" else sequence_log_ratio(log_ratio, keep)
+    if s.clip_mode == "m2po":
+        tau = m2po_tau(surrogate_log_ratio, advantages, mask, s.m2po_budget)
+        low, high = torch.exp(-tau), torch.exp(tau)
+    elif s.clip_mode == "ppo":
+        tau = None
+        low, high = 1.0 - s.clip_eps_low, 1.0 + s.clip_eps_high
+    else:
+        raise ValueError(f"unknown clip mode {s.clip_mode!r}; choose one of {CLIP_MODES}")
+    token_loss, clip_low, clip_high = clipped_surrogate(surrogate_log_ratio, advantages, low, high, s.dual_clip_c)
+    per_seq = (fkeep if s.veto_normalizer == "post_veto" else fmask).sum(1)
+    agg = dict(mode=s.aggregation, denominator=denominator, seq_len_norm=s.seq_len_norm)
     pg_loss = aggregate(token_loss, fkeep, per_seq, **agg)
     total = pg_loss
-    lr = log_ratio.detach()
-    ratio = torch.exp(lr.clamp(-LOG_RATIO_GUARD, LOG_RATIO_GUARD))
+    metrics = _diagnostics(log_ratio, advantages, mask, keep, veto, clip_low, clip_high)
+    metrics["loss/policy"] = _pair(pg_loss, 0)
+    if tau is not None:
+        metrics["loss/m2po_tau"] = _pair(tau.clamp(max=LOG_RATIO_GUARD), 1)
+    if ref_logprobs is not None and s.kl_beta > 0:
+        kl_tok = k3(ref_logprobs.detach() - logprobs)
+        total = total + s.kl_beta * aggregate(kl_tok, fkeep, per_seq, **agg)
+        metrics["loss/kl_ref"] = _pair((kl_tok.detach() * fmask).sum(), fmask.sum())
+    if entropy is not None:
+        if s.entropy_coef > 0:
+            total = total - s.entropy_coef * aggregate(entropy, fkeep, per_seq, **agg)
+        metrics["loss/entropy"] = _pair((entropy.detach() * fmask).sum(), fmask.sum())
+    metrics["loss/total"] = _pair(total, 0)
+    return total, metrics
+
+
+def _pair(num, den) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(num).detach().float(), torch.as_tensor(den, dtype=torch.float32).detach()])
+
+
+def _diagnostics(log_ratio, advantages, mask, keep, veto, clip_low, clip_high) -> dict[str, torch.Tensor]:
+    """The per-update drift and veto diagnostics (docs/ALGORITHM.md section 10) over the micro-batch's tokens."""
+    fmask = mask.to(log_ratio.dtype)
+    log_rho = log_ratio.detach()
+    ratio = torch.exp(log_rho.clamp(-LOG_RATIO_GUARD, LOG_RATIO_GUARD))
     n_tok = fmask.sum()
     neg, pos = (advantages < 0)[:, None] & keep, (advantages > 0)[:, None] & keep
     has_trigger = veto.first_trigger >= 0
-    zero = n_tok.new_zeros(())
-
-    def pair(num, den):
-        return torch.stack([num.detach().float(), torch.as_tensor(den, dtype=torch.float32).detach()])
-
-    metrics = {
-        "loss/policy": pair(pg_loss, zero),
-        "loss/clip_frac_low": pair((clip_low & mask).sum(), n_tok),
-        "loss/clip_frac_high": pair((clip_high & mask).sum(), n_tok),
-        "loss/veto_token_frac": pair(veto.vetoed.sum(), n_tok),
-        "loss/veto_seq_frac": pair(veto.vetoed.any(1).sum(), mask.shape[0]),
-        "loss/trigger_frac": pair(veto.trigger.sum(), n_tok),
-        "loss/first_trigger_pos": pair(torch.where(has_trigger, veto.first_trigger, 0).sum(), has_trigger.sum()),
-        "loss/ratio_mean_neg": pair((ratio * neg).sum(), neg.sum()),
-        "loss/ratio_mean_pos": pair((ratio * pos).sum(), pos.sum()),
-        "loss/ratio_mean": pair((ratio * fmask).sum(), n_tok),
-        "loss/ratio_sq_mean": pair((ratio * ratio * fmask).sum(), n_tok),
-        "loss/kl_behavior": pair((k3(lr) * fmask).sum(), n_tok),
-        "loss/log_ratio_abs_mean": pair((lr.abs() * fmask).sum(), n_tok),
-        "loss/num_tokens": pair(n_tok, zero),
+    return {
+        "loss/clip_frac_low": _pair((clip_low & mask).sum(), n_tok),
+        "loss/clip_frac_high": _pair((clip_high & mask).sum(), n_tok),
+        "loss/veto_token_frac": _pair(veto.vetoed.sum(), n_tok),
+        "loss/veto_seq_frac": _pair(veto.vetoed.any(1).sum(), mask.shape[0]),
+        "loss/trigger_frac": _pair(veto.trigger.sum(), n_tok),
+        "loss/first_trigger_pos": _pair(torch.where(has_trigger, veto.first_trigger, 0).sum(), has_trigger.sum()),
+        "loss/ratio_mean_neg": _pair((ratio * neg).sum(), neg.sum()),
+        "loss/ratio_mean_pos": _pair((ratio * pos).sum(), pos.sum()),
+        "loss/ratio_mean": _pair((ratio * fmask).sum(), n_tok),
+        "loss/ratio_sq_mean": _pair((ratio * ratio * fmask).sum(), n_tok),
+        "loss/kl_behavior": _pair((k3(log_rho) * fmask).sum(), n_tok),
+        "loss/log_ratio_abs_mean": _pair((log_rho.abs() * fmask).sum(), n_tok),
+        "loss/num_tokens": _pair(n_tok, 0),
     }
-    if tau is not None:
-        metrics["loss/m2po_tau"] = pair(tau.clamp(max=LOG_RATIO_GUARD), 1)
-    if ref_logprobs is not None and kl_beta > 0:
-        kl_tok = k3(ref_logprobs.detach() - logprobs)
-        kl_loss = aggregate(kl_tok, fkeep, per_seq, **agg)
-        total = total + kl_beta * kl_loss
-        metrics["loss/kl_ref"] = pair((kl_tok.detach() * fmask).sum(), n_tok)
-    if entropy is not None:
-        if entropy_coef > 0:
-            total = total - entropy_coef * aggregate(entropy, fkeep, per_seq, **agg)
-        metrics["loss/entropy"] = pair((entropy.detach() * fmask).sum(), n_tok)
-    metrics["loss/total"] = pair(total, zero)
-    return total, metrics
 
 
 def finalize_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float]:

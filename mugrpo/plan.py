@@ -2,7 +2,7 @@
 
 Nothing here is written back into the config. ``mugrpo plan`` prints :func:`format_plan`.
 
-Definitions (ALGORITHM.md section 3):
+Definitions (docs/ALGORITHM.md section 3):
 - U = total updates = K stages x mu updates per stage.
 - Each update draws ``prompts_per_update`` prompt groups (G sequences each) from the stage data,
   shuffled, cycling through several passes when mu x prompts_per_update > prompts_per_stage.
@@ -13,8 +13,12 @@ Definitions (ALGORITHM.md section 3):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mugrpo.config import Config, ConfigError
+from mugrpo.errors import ConfigError
+
+if TYPE_CHECKING:  # for annotations only: mugrpo.config imports this module to validate schedules
+    from mugrpo.config import Config
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         ("micro-batch budget", micro),
         ("passes over each stage's data", f"{plan.passes_per_stage:g}"),
         ("staleness range (updates)", f"0 .. {plan.max_staleness}"),
-        ("clip range", _clip_text(cfg)),
+        ("clip range", cfg.loss.describe()),
         ("veto", "none" if cfg.loss.veto_scope == "none"
          else f"{cfg.loss.veto_scope}, delta={cfg.loss.veto_delta:g}"),
         ("zero-advantage skip", "on" if cfg.train.skip_zero_advantage else "off"),
@@ -133,9 +137,3 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _clip_text(cfg: Config) -> str:
-    if cfg.loss.clip_mode == "m2po":
-        return f"M2PO (second-moment budget {cfg.loss.m2po_budget:g})"
-    return f"[{1 - cfg.loss.clip_eps_low:g}, {1 + cfg.loss.clip_eps_high:g}]"

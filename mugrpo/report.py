@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
 from mugrpo import report_data as rd
-from mugrpo.metrics import json_safe
+from mugrpo.loggers import json_safe
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
 _PHASE_COLORS = {"sync": "tab:purple", "generate": "tab:blue", "score": "tab:cyan", "optimize": "tab:orange",
@@ -55,6 +56,7 @@ def run(args) -> int:
         runs = [rd.load_run(path, labels[i] if labels else None) for i, path in enumerate(args.runs)]
         levels = _floats(args.levels, "--levels")
         eval_levels = _floats(args.eval_levels, "--eval-levels")
+        _check_out_folder(Path(args.out))
     except rd.ReportError as exc:
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
@@ -63,6 +65,18 @@ def run(args) -> int:
                            title=args.title, dpi=args.dpi)
     print(f"[mugrpo] report written to {args.out}: {', '.join(p.name for p in written)}")
     return 0
+
+
+def _check_out_folder(out: Path) -> None:
+    """ReportError unless ``out`` can be the report's folder: an existing folder, or one that can be made."""
+    if out.exists() and not out.is_dir():
+        raise rd.ReportError(f"--out {out}: is a file; the report writes a folder of figures and summaries "
+                             "there, so give a folder path")
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise rd.ReportError(f"--out {out}: cannot be written ({parent} is not a writable folder)")
 
 
 def _floats(text, flag):

@@ -27,7 +27,8 @@ from typing import Optional
 
 import yaml
 
-from mugrpo.metrics import read_metrics
+from mugrpo.errors import UserError
+from mugrpo.loggers import read_metrics
 
 PHASES = ("sync", "generate", "score", "optimize", "eval", "checkpoint")
 """Stage-time categories: ``perf/{phase}_s`` keys of stage records (absent keys count as 0)."""
@@ -37,7 +38,7 @@ DRIFT_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_fra
 """Per-update diagnostics plotted against the update index within the stage (staleness)."""
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """A run directory the report cannot use; the message says why."""
 
 
@@ -68,7 +69,14 @@ def load_run(path: str | Path, label: Optional[str] = None) -> Run:
         raise ReportError(f"{path}: no metrics.jsonl, so it is not a mugrpo run directory (or it has not started)")
     config_file = path / "config.yaml"
     config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
-    records = dedupe(read_metrics(metrics))
+    try:
+        records = read_metrics(metrics)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ReportError(f"{metrics}: cannot be read as text ({exc}); it is not a mugrpo metrics file") from exc
+    records = dedupe([r for r in records if isinstance(r, dict) and r.get("kind") in ("update", "stage", "eval")])
+    if not records:
+        raise ReportError(f"{metrics}: no metric records (the file is empty, or no line is a JSON record of kind "
+                          "update, stage or eval); leave this run out of the report, or check the file")
     run = Run(label or path.resolve().name, path, config or {})
     for r in records:
         {"update": run.updates, "stage": run.stages, "eval": run.evals}.get(r.get("kind"), []).append(r)

@@ -8,8 +8,9 @@ Three sources (config ``task.*``):
 - ``reward_fn = "module:function"``: a custom scorer replacing either.
 
 The final answer is the content of the last ``\\boxed{...}``; a response without one scores 0.
-Scoring never raises: a scorer that raises, hangs past ``reward_timeout_s`` or returns a
-non-number scores 0 and is counted (:class:`ScoreStats`).
+Scoring never raises (KeyboardInterrupt aside): a scorer that raises (``SystemExit`` included),
+hangs past ``reward_timeout_s`` or returns a non-number, or a number that is not finite as a
+float32, scores 0 and is counted (:class:`ScoreStats`).
 
 This module knows nothing about models' weights, the loss or the engines.
 """
@@ -17,6 +18,7 @@ This module knows nothing about models' weights, the loss or the engines.
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import numbers
 import signal
@@ -28,8 +30,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from mugrpo.errors import UserError
 
-class TaskError(ValueError):
+
+class TaskError(UserError, ValueError):
     """A dataset or task that cannot be used; the message says what is wrong and the fix."""
 
 
@@ -86,10 +90,27 @@ class ScoreStats:
     num_errors: int = 0
     num_timeouts: int = 0
     num_invalid: int = 0
-    """Scorer returned None, NaN, inf or a non-number."""
+    """Scorer returned None, NaN, inf, a number beyond float32's range or a non-number."""
     num_unparsable: int = 0
     """No ``\\boxed{}`` answer found (scored 0 by the built-in scorers)."""
     first_error: Optional[str] = None
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _as_reward(value: Any) -> Optional[float]:
+    """``value`` as a float that is finite once stored as float32 (rewards are), else None.
+
+    1e39 is a finite float64 but inf in float32, and an inf reward turns every advantage of its
+    group into NaN, so it is as invalid as NaN itself."""
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        reward = float(value)
+    except (OverflowError, ValueError):  # e.g. an int beyond float64
+        return None
+    return reward if math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX else None
 
 
 class Task:
@@ -114,14 +135,17 @@ class Task:
             except RewardTimeout:
                 stats.num_timeouts += 1
                 value = 0.0
-            except Exception:  # noqa: BLE001 - a user scorer may raise anything; count it, score 0
+            except KeyboardInterrupt:  # Ctrl-C must still stop the run
+                raise
+            except BaseException:  # noqa: BLE001 - a user scorer may raise anything, sys.exit() included
                 stats.num_errors += 1
                 stats.first_error = stats.first_error or traceback.format_exc()
                 value = 0.0
-            if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            reward = _as_reward(value)
+            if reward is None:
                 stats.num_invalid += 1
-                value = 0.0
-            rewards.append(float(value))
+                reward = 0.0
+            rewards.append(reward)
         return torch.tensor(rewards, dtype=torch.float32), stats
 
     def sample(self, count: int, generator: torch.Generator) -> list[int]:
@@ -140,12 +164,27 @@ def _load_reward_fn(spec: str) -> Callable[[str, str, dict], float]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise TaskError(f"task.reward_fn={spec!r}: cannot import module {module_name!r} ({exc}); "
-                        "make sure it is on PYTHONPATH") from exc
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):  # not found itself
+            raise TaskError(f"task.reward_fn={spec!r}: cannot import module {module_name!r} ({exc}); "
+                            "make sure it is on PYTHONPATH") from exc
+        raise TaskError(_import_failure(spec, module_name, exc)) from exc
+    except Exception as exc:  # noqa: BLE001 - the module's own code failed (SyntaxError, a raise at import)
+        raise TaskError(_import_failure(spec, module_name, exc)) from exc
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise TaskError(f"task.reward_fn={spec!r}: module {module_name!r} has no function {fn_name!r}")
     return fn
+
+
+def _import_failure(spec: str, module_name: str, exc: BaseException) -> str:
+    """The message for a reward module found but failing inside its own import: the real cause and where."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = next((f"{f.filename}:{f.lineno}" for f in reversed(frames) if "importlib" not in f.filename), None)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = f"{exc.filename}:{exc.lineno}"
+    return (f"task.reward_fn={spec!r}: importing module {module_name!r} failed inside the module: "
+            f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
+            + ". Fix the module or install what it imports")
 
 
 def build_task(task_cfg) -> Task:
@@ -197,20 +236,45 @@ def load_rows(name: str, split: str = "train", subset: Optional[str] = None) -> 
     import datasets
 
     path = Path(name).expanduser()
+    suffix = path.suffix.lower()  # data.JSONL is a jsonl file too
     try:
-        if path.suffix in _FILE_FORMATS:
+        if suffix in _FILE_FORMATS:
             if not path.is_file():
                 raise TaskError(f"dataset file {name!r} does not exist")
             if path.stat().st_size == 0:
                 raise TaskError(f"dataset file {name!r} is empty")
-            ds = datasets.load_dataset(_FILE_FORMATS[path.suffix], data_files=str(path), split="train")
+            ds = datasets.load_dataset(_FILE_FORMATS[suffix], data_files=str(path), split="train")
         else:
             ds = datasets.load_dataset(name, subset, split=split)
     except TaskError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets raises many types; all mean "cannot load"
-        raise TaskError(f"could not load dataset {name!r} (split {split!r}): {exc}") from exc
+        if suffix == ".jsonl":
+            _check_jsonl_rows(path)  # datasets' own error names no line: find the first bad one
+        cause = exc
+        while cause.__cause__ or cause.__context__:  # datasets wraps the parser's error, which says why
+            cause = cause.__cause__ or cause.__context__
+        detail = f"{exc}" if cause is exc else f"{exc} Cause: {type(cause).__name__}: {cause}"
+        raise TaskError(f"could not load dataset {name!r} (split {split!r}): {' '.join(detail.split())}") from exc
     return list(ds)
+
+
+def _check_jsonl_rows(path: Path) -> None:
+    """TaskError naming the file, the line and the cause of the first line that is not a JSON object."""
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+                row = json.loads(line.strip()) if line.strip() else {}
+            except UnicodeDecodeError as exc:
+                raise TaskError(f"dataset file {str(path)!r}, line {number}: not UTF-8 text ({exc.reason}); "
+                                "fix or delete that line") from exc
+            except json.JSONDecodeError as exc:
+                raise TaskError(f"dataset file {str(path)!r}, line {number}: not valid JSON ({exc.msg} at column "
+                                f"{exc.colno}); fix or delete that line") from exc
+            if not isinstance(row, dict):
+                raise TaskError(f"dataset file {str(path)!r}, line {number}: a JSON {type(row).__name__}, not an "
+                                "object of columns (e.g. {\"question\": ..., \"answer\": ...})")
 
 
 def _math(task_cfg):
@@ -278,3 +342,24 @@ def prompt_ids(tokenizer, question: str, task_cfg) -> list[int]:
     # No chat template (e.g. a base model): plain "role: content" lines.
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+def limit_prompts(prompts: list[list[int]], task_cfg, what: str) -> tuple[list[list[int]], list[int]]:
+    """``task.prompt_too_long`` applied to prompts over ``task.max_prompt_tokens``, the one rule for
+    training and evaluation: ``error`` raises, ``skip`` drops them, ``truncate`` keeps each one's
+    tail. Returns the prompts and the indices (into ``prompts``) that were kept. ``what`` names the
+    prompts in messages ("training", "evaluation")."""
+    limit = task_cfg.max_prompt_tokens
+    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
+    if not too_long:
+        return prompts, list(range(len(prompts)))
+    if task_cfg.prompt_too_long == "error":
+        raise TaskError(f"{len(too_long)} {what} prompt(s) are longer than task.max_prompt_tokens={limit} "
+                        f"(longest {max(len(prompts[i]) for i in too_long)} tokens). Raise the limit, or set "
+                        "task.prompt_too_long=skip or truncate")
+    if task_cfg.prompt_too_long == "truncate":
+        return [p[-limit:] for p in prompts], list(range(len(prompts)))
+    keep = [i for i in range(len(prompts)) if len(prompts[i]) <= limit]
+    if not keep:
+        raise TaskError(f"every {what} prompt is longer than task.max_prompt_tokens={limit}; raise the limit")
+    return [prompts[i] for i in keep], keep

@@ -1,4 +1,4 @@
-"""The staged Mu-GRPO loop (ALGORITHM.md section 3), one code path for every preset.
+"""The staged Mu-GRPO loop (docs/ALGORITHM.md section 3), one code path for every preset.
 
 Each stage: push weights to the engine (the stage's only sync) -> generate every prompt of the
 stage once, with behaviour log-probs -> score -> group advantages -> persist the stage dataset ->
@@ -16,48 +16,36 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mugrpo.errors import UserError
 from mugrpo import checkpoint as ckpt
+from mugrpo.checkpoint import RunState
 from mugrpo import distributed as dist
-from mugrpo.advantages import group_advantages
+from mugrpo import seeds
+from mugrpo.advantages import group_advantages, zero_variance_groups
 from mugrpo.batching import micro_batches, sequences_to_train
 from mugrpo.config import Config
+from mugrpo import data as data_files
 from mugrpo.data import StageData, write_stage_text
-from mugrpo.engines import SamplingConfig, make_engine
+from mugrpo.engines import SamplingConfig, make_engine, weights_loaded
 from mugrpo.evaluate import TrainingEvaluator
 from mugrpo.faults import maybe_die, should_poison
 from mugrpo.forward import response_logprobs, shared_prefix_support
 from mugrpo.hardware import Resolved, detect, resolve
-from mugrpo.losses import finalize_metrics, policy_loss
-from mugrpo.metrics import NullLogger, make_logger
+from mugrpo.losses import LossSettings, finalize_metrics, policy_loss
+from mugrpo.loggers import NullLogger, make_logger
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
-from mugrpo.tasks import build_task, prompt_ids
+from mugrpo.tasks import build_task, limit_prompts, prompt_ids
 from mugrpo.veto import veto_mask
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot continue (e.g. too many non-finite updates in a row); the message says why."""
-
-
-@dataclass
-class RunState:
-    """Everything positional that a resume needs besides weights, optimizer and RNG states."""
-
-    stage: int = 0
-    update_in_stage: int = 0
-    """Updates already done in ``stage`` (0 = the stage's data may not exist yet)."""
-    update: int = 0
-    """Global optimizer updates done."""
-    bad_update_streak: int = 0
-    num_skipped_updates: int = 0
-    elapsed_s: float = 0.0
-    """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,53 +58,63 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    if not resume:
+    lock = engine = logger = stopper = None
+    failed_new_run, existed = False, run_dir.is_dir()
+    if resume:  # before any work: a second process on this run directory stops here
+        ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
+        lock = ckpt.lock_run_dir(run_dir, world)
+    else:
         ckpt.check_run_dir_free(run_dir)
-    _configure_torch(cfg)
-    model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
-    model_path = dist.broadcast_object(model_path)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-    policy = load_policy(model_path, cfg.model.trust_remote_code)
-    ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
-    if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    policy, device = dist.prepare_model(policy, cfg, world)
-    if ref_model is not None:
-        ref_model = dist.prepare_frozen(ref_model, cfg, world)
-    optimizer, scheduler = build_optimizer(policy, cfg, plan)
-    task = build_task(cfg.task)
-    # Only now that model and task have loaded: a failed start leaves no half-made run directory.
-    ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
-    state = RunState()
-    if resume:
-        state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
-        if world.is_main:
-            ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
-    engine = make_engine(resolved.engine, model_path, tokenizer,
-                         dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
-    logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
-    progress = Progress(enabled=cfg.train.progress and world.is_main)
-    if world.is_main:
-        print(format_plan(plan, cfg, resolved))
-        for note in resolved.notes + _layout_notes(policy, cfg):
-            print(f"[mugrpo] {note}")
-    t_start = time.perf_counter() - state.elapsed_s
-    evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
-    stopper = ckpt.GracefulStop()
-
-    def save() -> float:
-        t = time.perf_counter()
-        ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s=t - t_start)
-        return time.perf_counter() - t
-
-    # Checkpoint seconds inside the current stage's wall-clock interval (which runs from the previous
-    # stage record to this one, so the previous stage-end checkpoint counts here), and those inside
-    # the optimisation phase (taken off perf/optimize_s).
-    ckpt_s, ckpt_in_opt_s = 0.0, 0.0
     try:
+        _configure_torch(cfg)
+        model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
+        model_path = dist.broadcast_object(model_path)
+        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        policy = load_policy(model_path, cfg.model.trust_remote_code)
+        ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
+        if cfg.model.gradient_checkpointing:
+            policy.gradient_checkpointing_enable()
+        policy, device = dist.prepare_model(policy, cfg, world)
+        if ref_model is not None:
+            ref_model = dist.prepare_frozen(ref_model, cfg, world)
+        optimizer, scheduler = build_optimizer(policy, cfg, plan)
+        task = build_task(cfg.task)
+        engine = make_engine(resolved.engine, model_path, tokenizer,
+                             dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
+        state = RunState()
+        if resume:
+            if world.is_main:
+                for path in ckpt.remove_stale_temporaries(run_dir):
+                    print(f"[mugrpo] removed {path}, left by an interrupted write")
+            state = ckpt.load_latest(run_dir, policy, optimizer, scheduler, world) or RunState()
+            if world.is_main:
+                ckpt.truncate_metrics(run_dir / "metrics.jsonl", state)
+        else:
+            # Only now that model, task and engine have loaded: a failed start leaves no run directory.
+            ckpt.prepare_run_dir(run_dir, cfg, resume, is_main=world.is_main)
+            lock = ckpt.lock_run_dir(run_dir, world)
+        logger = make_logger(cfg, run_dir) if world.is_main else NullLogger()
+        progress = Progress(enabled=cfg.train.progress and world.is_main)
+        if world.is_main:
+            print(format_plan(plan, cfg, resolved))
+            for note in resolved.notes + _layout_notes(policy, cfg):
+                print(f"[mugrpo] {note}")
+        t_start = time.perf_counter() - state.elapsed_s
+        evaluator = TrainingEvaluator(cfg, plan, task, tokenizer, engine, policy, logger, world, progress, t_start)
+        stopper = ckpt.GracefulStop()
+
+        def save() -> float:
+            t = time.perf_counter()
+            ckpt.save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s=t - t_start)
+            return time.perf_counter() - t
+
+        # Checkpoint seconds inside the current stage's wall-clock interval (which runs from the previous
+        # stage record to this one, so the previous stage-end checkpoint counts here), and those inside
+        # the optimisation phase (taken off perf/optimize_s).
+        ckpt_s, ckpt_in_opt_s = 0.0, 0.0
         evaluator.maybe_run(state)  # the initial policy (eval.at_start)
         while state.stage < plan.num_stages:
-            stage_dir = run_dir / "stages" / f"stage_{state.stage:03d}"
+            stage_dir = data_files.stage_dir(run_dir, state.stage)
             data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
                                                          cfg, plan, world, progress, stopper)
             t_opt = time.perf_counter()
@@ -157,14 +155,27 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
             ckpt_s, ckpt_in_opt_s = save(), 0.0
             if stopper.requested and state.stage < plan.num_stages:
                 raise ckpt.Interrupted(run_dir)
+        if state.update and state.num_skipped_updates >= state.update:
+            raise TrainingError(f"all {state.update} updates of this run were skipped for a non-finite loss or "
+                                "gradient, so the policy never changed; no final model was written. Check the "
+                                "rewards (reward/num_invalid, stages/*/rollouts.jsonl), lower optim.lr, or turn "
+                                "off train.autocast")
         final = run_dir / "final_model"
         if cfg.train.save_final_model:
             ckpt.export_hf(policy, tokenizer, final, world)
         return final
+    except Exception as exc:
+        # The run dir is this run's own (locked, found empty); an interrupted run keeps it, to be resumed.
+        failed_new_run = not (resume or isinstance(exc, ckpt.Interrupted)) and lock is not None
+        raise
     finally:
-        stopper.restore()
-        logger.close()
-        engine.close()
+        for close in (stopper and stopper.restore, logger and logger.close, engine and engine.close,
+                      lock and lock.close):
+            if close:
+                close()
+        if failed_new_run and ckpt.discard_failed_start(run_dir, keep_dir=existed):
+            print(f"[mugrpo] removed what this run wrote in {run_dir}: it failed before writing anything to resume "
+                  "from, so the corrected command can be run again")
 
 
 def _layout_notes(policy, cfg: Config) -> list[str]:
@@ -215,29 +226,23 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
     data = dist.load_stage_shards(stage_dir, world)
     if data is not None:
         return data, {"stage/resumed": 1.0, **_stage_stats(data, world)}
-    t0 = time.perf_counter()
-    engine.wake()
-    engine.load_weights(dist.full_state_items(policy))
-    t_sync = time.perf_counter()
-    gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + state.stage)
-    indices = task.sample(plan.prompts_per_stage, gen)
-    indices = dist.generation_share(indices, world)  # whole groups per rank
-    prompts = [prompt_ids(tokenizer, task.items[i].question, cfg.task) for i in indices]
-    prompts, indices = _check_prompt_lengths(prompts, indices, cfg)
+    indices, prompts = _stage_prompts(state, task, tokenizer, cfg, plan, world)
     r = cfg.rollout
-    sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens,
-                              seed=cfg.train.seed * 1_000_003 + state.stage * 101 + world.rank)
-    bar = progress.bar(len(prompts) * r.group_size, f"stage {state.stage} generate", unit="seq")
-    def on_batch(n: int) -> None:
-        progress.advance(bar, n)
-        maybe_die("generate")
-        if stopper is not None and stopper.requested:  # the last checkpoint is this stage's start
-            raise ckpt.Interrupted(stage_dir.parent.parent)
+    t0 = time.perf_counter()
+    with weights_loaded(engine, dist.full_state_items(policy)):
+        t_sync = time.perf_counter()
+        sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                  max_new_tokens=r.max_new_tokens,
+                                  seed=seeds.rollout_sampling(cfg.train.seed, state.stage, world.rank))
+        bar = progress.bar(len(prompts) * r.group_size, f"stage {state.stage} generate", unit="seq")
+        def on_batch(n: int) -> None:
+            progress.advance(bar, n)
+            maybe_die("generate")
+            if stopper is not None and stopper.requested:  # the last checkpoint is this stage's start
+                raise ckpt.Interrupted(stage_dir.parent.parent)
 
-    completions = engine.generate(prompts, sampling, progress=on_batch)
-    progress.close(bar)
-    engine.sleep()
+        completions = engine.generate(prompts, sampling, progress=on_batch)
+        progress.close(bar)
     t_gen = time.perf_counter()
     flat = [c for group in completions for c in group]
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
@@ -259,8 +264,7 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
     t_score = time.perf_counter()
     dist.save_stage_shard(data, stage_dir, world)
     if cfg.train.save_stage_text:
-        name = "rollouts.jsonl" if world.size == 1 else f"rollouts_rank{world.rank}.jsonl"
-        write_stage_text(stage_dir / name, data, tokenizer, task.items)
+        write_stage_text(data_files.text_path(stage_dir, world.rank, world.size), data, tokenizer, task.items)
     if score_stats.first_error and world.is_main:
         print(f"[mugrpo] warning: the reward function raised {score_stats.num_errors} time(s) in stage "
               f"{state.stage} (scored 0); first traceback:\n{score_stats.first_error}")
@@ -268,14 +272,29 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
     counts = dist.sum_over_ranks(torch.tensor([
         score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
         score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts)], dtype=torch.float64)).tolist()
+    num_failed = int(counts[0] + counts[1] + counts[2])
+    if num_failed and num_failed == int(counts[4]) and world.is_main:
+        print(f"[mugrpo] warning: stage {state.stage}: all {num_failed} rewards failed and scored 0 "
+              f"({int(counts[0])} errors, {int(counts[1])} timeouts, {int(counts[2])} invalid values), so nothing "
+              "is learned from this stage. Check task.reward_fn (any traceback is printed above), "
+              "task.reward_timeout_s, and that the scorer returns a finite number")
     stats.update({
         "perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
         "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9),
-        "reward/error_count": int(counts[0]), "reward/timeout_count": int(counts[1]),
-        "reward/invalid_count": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
+        "reward/num_errors": int(counts[0]), "reward/num_timeouts": int(counts[1]),
+        "reward/num_invalid": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
         "stage/num_prompts_skipped": int(counts[5]),
     })
     return data, stats
+
+
+def _stage_prompts(state: RunState, task, tokenizer, cfg: Config, plan: Plan, world) -> tuple[list[int], list]:
+    """This rank's share of the stage's prompt draw (whole groups), tokenised, the length rule applied."""
+    gen = torch.Generator().manual_seed(seeds.prompt_draw(cfg.train.seed, state.stage))
+    indices = dist.generation_share(task.sample(plan.prompts_per_stage, gen), world)
+    prompts = [prompt_ids(tokenizer, task.items[i].question, cfg.task) for i in indices]
+    prompts, kept = limit_prompts(prompts, cfg.task, "training")
+    return [indices[i] for i in kept], prompts
 
 
 def _stage_stats(data: StageData, world) -> dict:
@@ -287,30 +306,8 @@ def _stage_stats(data: StageData, world) -> dict:
         "stage/truncated_frac": dist.mean_over_ranks((~data.finished).float().sum(), lengths.numel()),
         "stage/num_sequences": int(rewards.numel()),
         "stage/num_groups": int(rewards.numel()) // data.group_size,
-        "stage/zero_var_group_frac": float(zero_variance_groups(rewards, data.group_size).float().mean()),
+        "stage/zero_var_group_frac": float(zero_variance_groups(rewards.view(-1, data.group_size)).float().mean()),
     }
-
-
-def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    grouped = rewards.view(-1, group_size)
-    return (grouped == grouped[:, :1]).all(dim=1)
-
-
-def _check_prompt_lengths(prompts, indices, cfg: Config):
-    limit, policy = cfg.task.max_prompt_tokens, cfg.task.prompt_too_long
-    too_long = [i for i, p in enumerate(prompts) if len(p) > limit]
-    if not too_long:
-        return prompts, indices
-    if policy == "error":
-        raise TrainingError(f"{len(too_long)} prompt(s) are longer than task.max_prompt_tokens={limit} "
-                            f"(longest {max(len(prompts[i]) for i in too_long)} tokens). Raise the limit, or set "
-                            "task.prompt_too_long=skip or truncate")
-    if policy == "truncate":
-        return [p[-limit:] for p in prompts], indices
-    keep = [i for i in range(len(prompts)) if len(prompts[i]) <= limit]
-    if not keep:
-        raise TrainingError(f"every prompt is longer than task.max_prompt_tokens={limit}; raise the limit")
-    return [prompts[i] for i in keep], [indices[i] for i in keep]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,7 +328,8 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
                                      cfg.train.seed, state.stage)
     G, lc = data.group_size, cfg.loss
     seqs = [g * G + j for g in groups for j in range(G)]
-    skip = cfg.train.skip_zero_advantage and lc.kl_beta == 0 and lc.entropy_coef == 0
+    settings = LossSettings.from_config(lc, cfg.rollout.max_new_tokens)
+    skip = cfg.train.skip_zero_advantage and settings.zero_advantage_is_inert
     trained = sequences_to_train(data, seqs, skip)
     shared, mask_dtype, _ = shared_prefix_support(policy) if cfg.train.shared_prefix else (False, None, "")
     layout = dict(shared=shared, budget=cfg.schedule.micro_batch_tokens, max_seqs=cfg.schedule.micro_batch_size,
@@ -346,8 +344,7 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
     if real < num_passes:
         filler = batches[:1] or [b.to(device) for b in micro_batches(data, seqs[:1], **layout)]
         batches += filler * (num_passes - real)
-    loss_kwargs = _loss_kwargs(cfg, denominator)
-    summed = _zero_metrics(loss_kwargs, with_ref=ref_model is not None)
+    summed = _zero_metrics(settings, with_ref=ref_model is not None)
     summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
     poison = should_poison("loss")  # test hook: makes this update's loss NaN
     for i, mb in enumerate(batches):
@@ -358,8 +355,8 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
             if ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs, _ = response_logprobs(ref_model, mb, cfg.rollout.temperature, autocast, False, False)
-            loss, metrics = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask,
-                                        ref_logprobs=ref_logprobs, entropy=entropy, **loss_kwargs)
+            loss, metrics = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, settings,
+                                        denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy)
             if poison:
                 loss = loss * float("nan")
             if i >= real:  # a filler pass: the collectives run, nothing is added
@@ -407,24 +404,15 @@ def _step(policy, optimizer, scheduler, summed: dict, state: RunState, cfg: Conf
     return out
 
 
-def _loss_kwargs(cfg: Config, denominator) -> dict:
-    lc = cfg.loss
-    return dict(denominator=denominator, clip_mode=lc.clip_mode, clip_eps_low=lc.clip_eps_low,
-                clip_eps_high=lc.clip_eps_high, dual_clip_c=lc.dual_clip_c, m2po_budget=lc.m2po_budget,
-                veto_scope=lc.veto_scope, veto_delta=lc.veto_delta,
-                post_veto_normalizer=lc.veto_normalizer == "post_veto", aggregation=lc.aggregation,
-                seq_len_norm=cfg.rollout.max_new_tokens, kl_beta=lc.kl_beta, entropy_coef=lc.entropy_coef)
-
-
-def _zero_metrics(loss_kwargs: dict, with_ref: bool) -> dict[str, torch.Tensor]:
+def _zero_metrics(settings: LossSettings, with_ref: bool) -> dict[str, torch.Tensor]:
     """Every metric key of :func:`policy_loss`, as zero [numerator, denominator] pairs.
 
     Every rank starts from the same keys, whether or not it has sequences to train, so the
     metric all-reduce lines up; an update with nothing to train reports NaN fractions and loss 0.
     """
     one = torch.zeros(1, 1)
-    _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), ref_logprobs=one if with_ref else None,
-                             entropy=one, **loss_kwargs)
+    _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), settings, denominator=1.0,
+                             ref_logprobs=one if with_ref else None, entropy=one)
     return {key: torch.zeros_like(value) for key, value in metrics.items()}
 
 

@@ -1,4 +1,4 @@
-"""The negative-advantage veto (ALGORITHM.md section 6).
+"""The negative-advantage veto (docs/ALGORITHM.md section 6).
 
 Only responses with A_i < 0 are touched. With the current policy (no gradient), a response token
 *triggers* when rho_{i,t} < delta, compared in log space (log_ratio < log delta). kappa_i is the
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
+from mugrpo.config import VETO_SCOPES
 
 
 @dataclass

@@ -43,6 +43,17 @@ def test_resolved_config_round_trips():
     (["loss.veto_delta=2"], "loss.veto_delta"),
     (["rollout.group_size=1"], "rollout.group_size"),
     (["nonsense"], "key=value"),
+    (["task.reward_timeout_s=.inf"], "task.reward_timeout_s=inf is out of range; accepted: a finite number"),
+    (["optim.beta1=1.5"], "optim.beta1=1.5 is out of range; accepted: in [0, 1)"),
+    (["optim.beta2=1"], "optim.beta2=1.0 is out of range"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 is out of range; accepted: a finite number >= 0"),
+    (["optim.eps=-1e-8"], "optim.eps=-1e-08 is out of range; accepted: a finite number > 0"),
+    (["optim.eps=0"], "optim.eps=0.0 is out of range"),
+    (["rollout.temperature=.inf"], "rollout.temperature=inf is out of range; accepted: a finite number > 0"),
+    (["eval.temperature=.inf"], "eval.temperature=inf is out of range; accepted: a finite number > 0"),
+    (["task.params={min_terms:3}"], "YAML reads 'min_terms:3' as one key because there is no space after the "
+                                    "colon; write {min_terms: 3}"),
+    (["loss={clip_mode:m2po}"], "no space after the colon; write {clip_mode: m2po}"),
 ])
 def test_bad_config_exits_nonzero_naming_the_key(args, needle, capsys):
     assert main(["plan", *args]) == 2
@@ -59,3 +70,15 @@ def test_type_errors_are_config_errors():
         load_config(overrides=["train.deterministic=maybe"])
     with pytest.raises(ConfigError, match="is a section"):
         load_config(overrides=["loss=3"])
+
+
+def test_config_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_bytes("optim:\n  lr: 1e-5  # \u00b5 in Latin-1\n".encode("latin-1"))
+    assert main(["plan", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"config file {str(f)!r} is not UTF-8 text" in err and len(err.strip().splitlines()) == 1
+
+
+def test_flow_mapping_with_spaces_is_still_accepted():
+    assert load_config(overrides=["task.params={min_terms: 3}"]).task.params == {"min_terms": 3}

@@ -11,6 +11,7 @@ from mugrpo.engines.base import SamplingConfig
 from mugrpo.engines.hf import HFEngine, left_pad
 from mugrpo.forward import response_logprobs
 from mugrpo.models import load_policy, load_tokenizer
+from mugrpo.seeds import derive
 
 
 def _prompts(tok):
@@ -130,7 +131,7 @@ def test_tokens_and_logprobs_equal_plain_generate_with_output_scores(tiny_model_
                            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                            output_scores=True, return_dict_in_generate=True)
     with torch.no_grad(), torch.random.fork_rng():
-        torch.manual_seed(sampling.seed * 1_000_003 + 0)  # the engine's seed for its first call
+        torch.manual_seed(derive(sampling.seed, "hf-generate-call", 0))  # the engine's seed for its first call
         ref = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=cfg)
     new_tokens = ref.sequences[:, input_ids.shape[1]:]
     scores = torch.stack(ref.scores, dim=1)  # [B, T, V] after temperature / top-k / top-p

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mugrpo.cli import main
-from mugrpo.metrics import read_metrics
+from mugrpo.loggers import read_metrics
 from mugrpo.tiny import build_tiny_model
 
 TINY = ["task.reward_fn=ones_reward:reward", "task.few_shot=[]", "task.instruction=", "task.size=200",

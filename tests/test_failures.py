@@ -1,12 +1,13 @@
 """Faults are survived and counted; bad start-up input ends in exit code 2 with a message naming the fix."""
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 from conftest import TESTS, TINY_OVERRIDES
 
-from mugrpo.metrics import read_metrics
+from mugrpo.loggers import read_metrics
 
 
 def _run(run_dir, model_dir, *extra, env_extra=None):
@@ -43,22 +44,42 @@ def test_reward_function_that_raises_is_counted_and_reported_once(tmp_path, tiny
     r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:raises")
     assert r.returncode == 0, r.stderr[-2000:]
     stages = _records(tmp_path / "run", "stage")
-    assert [s["reward/error_count"] for s in stages] == [128, 128]  # mu 2 x 8 prompts = 16 prompts x G 8 per stage
+    assert [s["reward/num_errors"] for s in stages] == [128, 128]  # mu 2 x 8 prompts = 16 prompts x G 8 per stage
     assert stages[0]["stage/zero_var_group_frac"] == 1.0  # every reward 0: all groups zero variance
     assert (r.stdout + r.stderr).count("RuntimeError: boom") == 2  # first traceback, once per stage
     assert "every group has zero reward variance" in r.stdout + r.stderr
+    assert "stage 0: all 128 rewards failed and scored 0 (128 errors, 0 timeouts, 0 invalid values)" in r.stdout
+
+
+def test_reward_function_that_calls_sys_exit_is_an_error_not_the_end_of_the_run(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:exits")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [s["reward/num_errors"] for s in _records(tmp_path / "run", "stage")] == [128, 128]
+    assert "SystemExit" in r.stdout and "all 128 rewards failed" in r.stdout
+    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+
+
+def test_a_run_whose_updates_were_all_skipped_fails_without_a_final_model(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, env_extra={"MUGRPO_POISON_AT": "loss:*"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "mugrpo: error: all 4 updates of this run were skipped" in r.stderr and "Traceback" not in r.stderr
+    assert [u["optim/skipped"] for u in _records(tmp_path / "run", "update")] == [1.0] * 4
+    assert not (tmp_path / "run" / "final_model").exists()
 
 
 @pytest.mark.parametrize("extra,needle", [
     (["model.name=/nonexistent/model"], "does not exist"),
     (["task.max_prompt_tokens=5"], "longer than task.max_prompt_tokens=5"),
-    (["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every prompt is longer"),
+    (["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every training prompt is longer"),
     (["task.kind=math", "task.name=/nonexistent.jsonl"], "does not exist"),
 ])
 def test_start_up_errors(tmp_path, tiny_model_dir, extra, needle):
     r = _run(tmp_path / "run", tiny_model_dir, *extra)
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and "Traceback" not in r.stderr
+    # Nothing to resume was written (the prompt errors come in stage 0, after the run dir was made):
+    # the corrected command can simply be run again.
+    assert not (tmp_path / "run").exists()
 
 
 def test_run_dir_not_writable(tmp_path, tiny_model_dir):
@@ -69,6 +90,101 @@ def test_run_dir_not_writable(tmp_path, tiny_model_dir):
 
 
 def test_truncated_prompts_train(tmp_path, tiny_model_dir):
+    from mugrpo.data import StageData
+
     r = _run(tmp_path / "run", tiny_model_dir, "task.max_prompt_tokens=12", "task.prompt_too_long=truncate")
     assert r.returncode == 0, r.stderr[-2000:]
     assert len(_records(tmp_path / "run", "update")) == 4
+    # Every stored prompt was cut to the limit (the chat-rendered questions are all longer than 12).
+    data = StageData.load(tmp_path / "run" / "stages" / "stage_000" / "rollouts_rank0.safetensors")
+    assert {len(p) for p in data.prompts} == {12}
+
+
+def test_an_engine_that_cannot_start_leaves_no_run_dir(tmp_path, tiny_model_dir):
+    # The test environment has no vLLM: the start fails before the run directory exists, so the
+    # same command with rollout.engine=hf simply works.
+    r = _run(tmp_path / "run", tiny_model_dir, "rollout.engine=vllm")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "rollout.engine=vllm needs vLLM" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _broken_model(tmp_path, tiny_model_dir, how):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    if how == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / name).unlink()
+    else:  # an interrupted copy: half the weights file
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("no_tokenizer", "has none of the tokenizer files"),
+    ("truncated", "cannot read the weights {folder}/model.safetensors"),
+])
+def test_broken_model_folder_is_named_with_what_to_do(tmp_path, tiny_model_dir, how, needle):
+    folder = _broken_model(tmp_path, tiny_model_dir, how)
+    r = _run(tmp_path / "run", tiny_model_dir, f"model.name={folder}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle.format(folder=folder) in r.stderr and str(folder) in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_checks_its_output_paths_before_evaluating(tmp_path, tiny_model_dir, capsys):
+    from mugrpo.cli import main
+
+    taken = tmp_path / "results"
+    taken.mkdir()
+    args = ["eval", "--model", tiny_model_dir, "--task", "rg:basic_arithmetic", "--num-items", "1", "--k", "0"]
+    assert main([*args, "--out", str(taken)]) == 2
+    assert f"--out {taken}: is a folder" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert main([*args, "--samples", str(blocker / "samples.jsonl")]) == 2
+    assert "--samples" in capsys.readouterr().err
+    assert list(taken.iterdir()) == [] and blocker.read_text() == "x"
+
+
+def test_eval_of_a_run_dir_without_its_config_says_how_to_restore_it(tmp_path, capsys):
+    from mugrpo.cli import main
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "ckpt_000002_s001_u00000").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    assert main(["eval", "--model", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "run directory without its config.yaml" in err and "checkpoints/ckpt_" in err
+
+
+@pytest.mark.parametrize("content", [b"", b"not json\n\x00\x01 garbage\n", b"\xff\xfe\n", b"[1, 2]\n"])
+def test_report_on_an_unusable_metrics_file_names_it(tmp_path, capsys, content):
+    from mugrpo.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_bytes(content)
+    assert main(["report", str(run_dir), "--out", str(tmp_path / "report")]) == 2
+    assert str(run_dir / "metrics.jsonl") in capsys.readouterr().err
+    assert not (tmp_path / "report").exists()
+
+
+def test_report_out_that_is_a_file_is_refused_before_drawing(tmp_path, capsys):
+    from mugrpo.cli import main
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"kind": "stage", "stage": 0, "update": 2, "update_in_stage": 2, '
+                                           '"time_s": 1.0, "reward/mean": 0.5}\n')
+    out = tmp_path / "report.md"
+    out.write_text("mine")
+    assert main(["report", str(run_dir), "--out", str(out)]) == 2
+    assert f"--out {out}: is a file" in capsys.readouterr().err and out.read_text() == "mine"
+
+
+def test_a_reward_that_segfaults_leaves_a_python_traceback(tmp_path, tiny_model_dir):
+    r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:segfaults")
+    assert r.returncode == -11  # SIGSEGV: nothing can be caught, but faulthandler prints where
+    assert "Fatal Python error: Segmentation fault" in r.stderr and "toy_rewards.py" in r.stderr

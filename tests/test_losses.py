@@ -3,11 +3,20 @@ import math
 import pytest
 import torch
 
-from mugrpo.losses import aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau, policy_loss
+from mugrpo.config import LossConfig
+from mugrpo.losses import LossSettings, aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau, policy_loss
 from mugrpo.veto import veto_mask
 
 LOG_DELTA = math.log(1e-4)  # -9.21
 
+
+
+def loss_of(logprobs, behavior, adv, mask, *, denominator, ref_logprobs=None, entropy=None, seq_len_norm=1,
+            **options):
+    """policy_loss with the config's defaults (the relaxed Mu-GRPO loss) and ``options`` on top."""
+    settings = LossSettings.from_config(LossConfig(**options), seq_len_norm)
+    return policy_loss(logprobs, behavior, adv, mask, settings, denominator=denominator, ref_logprobs=ref_logprobs,
+                       entropy=entropy)
 
 def lr(*ratios):
     return torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float32)
@@ -105,7 +114,7 @@ def _batch():
 
 def test_vetoed_tokens_get_exactly_zero_gradient_and_behavior_gets_none():
     logprobs, behavior, adv, mask = _batch()
-    loss, metrics = policy_loss(logprobs, behavior, adv, mask, denominator=7.0, veto_scope="suffix")
+    loss, metrics = loss_of(logprobs, behavior, adv, mask, denominator=7.0, veto_scope="suffix")
     loss.backward()
     g = logprobs.grad
     # Seq 0, suffix after kappa = 1: tokens 2 and 3 are vetoed -> exactly 0.
@@ -129,8 +138,8 @@ def test_pre_and_post_veto_normaliser():
     # Seq 0 kept tokens: t0 (rho 1, A -1) -> +1, t1 (rho e^-11) -> +e^-11.
     logprobs, behavior, adv, mask = _batch()
     total = -3 + 1 + math.exp(-11)
-    pre, _ = policy_loss(logprobs, behavior, adv, mask, denominator=7.0)
-    post, _ = policy_loss(logprobs, behavior, adv, mask, denominator=5.0, post_veto_normalizer=True)
+    pre, _ = loss_of(logprobs, behavior, adv, mask, denominator=7.0)
+    post, _ = loss_of(logprobs, behavior, adv, mask, denominator=5.0, veto_normalizer="post_veto")
     assert pre.item() == pytest.approx(total / 7)
     assert post.item() == pytest.approx(total / 5)
 
@@ -159,9 +168,9 @@ def test_micro_batch_split_equals_one_batch(aggregation):
     mask[:, 0] = True
     den = mask.sum().float() if aggregation == "token-mean" else float(B)
     kw = dict(denominator=den, aggregation=aggregation, seq_len_norm=T, veto_scope="suffix", veto_delta=0.3)
-    full, _ = policy_loss(logprobs, behavior, adv, mask, **kw)
+    full, _ = loss_of(logprobs, behavior, adv, mask, **kw)
     (g_full,) = torch.autograd.grad(full, logprobs)
-    parts = [policy_loss(logprobs[s], behavior[s], adv[s], mask[s], **kw)[0] for s in (slice(0, 2), slice(2, 6))]
+    parts = [loss_of(logprobs[s], behavior[s], adv[s], mask[s], **kw)[0] for s in (slice(0, 2), slice(2, 6))]
     (g_split,) = torch.autograd.grad(sum(parts), logprobs)
     torch.testing.assert_close(sum(parts), full)
     torch.testing.assert_close(g_split, g_full)
@@ -185,7 +194,7 @@ def test_m2po_tau_hand_computed():
 def test_m2po_loss_clips_harmful_tokens_at_tau():
     # tau = 0.2 from the case above: rho = e^-0.5 < e^-0.2 with A = -1 -> loss clip(rho)*1 = e^-0.2, grad 0.
     x = torch.tensor([[-0.5, -0.5]], requires_grad=True)
-    loss, m = policy_loss(x, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
+    loss, m = loss_of(x, torch.zeros(1, 2), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
                           denominator=2.0, clip_mode="m2po", m2po_budget=0.04, veto_scope="none")
     assert loss.item() == pytest.approx(math.exp(-0.2), rel=1e-5)
     loss.backward()
@@ -207,11 +216,64 @@ def test_kl_and_entropy_terms():
     # logprobs = ref: k3 = 0 -> no change; entropy bonus subtracts coef * mean entropy.
     logprobs = torch.zeros(1, 2, requires_grad=True)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    base, _ = policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), mask, denominator=2.0)
-    with_terms, m = policy_loss(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), mask, denominator=2.0,
+    base, _ = loss_of(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), mask, denominator=2.0)
+    with_terms, m = loss_of(logprobs, torch.zeros(1, 2), torch.tensor([1.0]), mask, denominator=2.0,
                                 ref_logprobs=torch.zeros(1, 2), kl_beta=0.5,
                                 entropy=torch.tensor([[2.0, 4.0]]), entropy_coef=0.1)
     # base = -(1 + 1)/2 = -1; entropy term -0.1 * (2 + 4)/2 = -0.3.
     assert base.item() == pytest.approx(-1.0)
     assert with_terms.item() == pytest.approx(-1.3)
     assert finalize_metrics(m)["loss/entropy"] == pytest.approx(3.0)
+
+
+def test_kl_to_reference_by_hand():
+    # k3(x) = exp(x) - x - 1 with x = ref - logprobs. Token 1: x = log 2 -> 2 - 0.6931 - 1 = 0.3069;
+    # token 2: x = -log 2 -> 0.5 + 0.6931 - 1 = 0.1931. Mean k3 = 0.25 exactly (2.5 - 1 - 1 = 0.5 over 2).
+    # Surrogate: logprobs = behaviour, so rho = 1 and the policy loss is -(1 + 1)/2 = -1.
+    # Total: -1 + beta 0.5 * 0.25 = -0.875. Reversing the KL's direction (x -> -x) gives the same mean
+    # here, so also check the gradient: d k3 / d logprobs = -(exp(x) - 1): -1 at token 1, +0.5 at token 2,
+    # so with beta 0.5 / 2 tokens the KL adds (-0.25, +0.125) to the surrogate's (-0.5, -0.5).
+    logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.0 + math.log(2), -1.0 - math.log(2)]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    total, m = loss_of(logprobs, torch.tensor([[-1.0, -1.0]]), torch.tensor([1.0]), mask, denominator=2.0,
+                           ref_logprobs=ref, kl_beta=0.5)
+    assert total.item() == pytest.approx(-0.875)
+    assert finalize_metrics(m)["loss/kl_ref"] == pytest.approx(0.25)
+    total.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.75, -0.375]]))
+
+
+def test_sequence_level_ratio_gspo_by_hand():
+    # Token log-ratios (ln 2, 0): sequence log-ratio ln 2 / 2, so s = sqrt 2 = 1.41421 at both tokens.
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    behavior = torch.zeros(1, 2)
+    # Relaxed bounds [0, 5], A = 1: each token's loss is -s, token-mean over 2 tokens = -s.
+    # d(-s)/d logprob_t = -s * 1/2 per token = -0.70711 for both (token-level ratios would give -1 and -0.5).
+    x = torch.tensor([[math.log(2), 0.0]], requires_grad=True)
+    loss, m = loss_of(x, behavior, torch.tensor([1.0]), mask, denominator=2.0, ratio_level="sequence")
+    assert loss.item() == pytest.approx(-math.sqrt(2), rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(x.grad, torch.full((1, 2), -math.sqrt(2) / 2))
+    # Standard bounds [0.8, 1.2]: s = 1.414 > 1.2 with A > 0, so both tokens clip at 1.2: loss -1.2, no gradient.
+    x = torch.tensor([[math.log(2), 0.0]], requires_grad=True)
+    loss, m = loss_of(x, behavior, torch.tensor([1.0]), mask, denominator=2.0, ratio_level="sequence",
+                      clip_eps_low=0.2, clip_eps_high=0.2)
+    assert loss.item() == pytest.approx(-1.2)
+    loss.backward()
+    assert x.grad.abs().max() == 0
+    assert finalize_metrics(m)["loss/clip_frac_high"] == 1.0  # both tokens, though token 2's own ratio is 1
+
+
+def test_sequence_level_ratio_is_taken_over_the_tokens_the_veto_keeps():
+    # A = -1; token log-ratios (ln 1e-5, 0, ln 2): token 0 triggers (1e-5 < delta 1e-4), the suffix veto
+    # drops tokens 1 and 2, so s = exp(ln 1e-5) = 1e-5 over the one kept token. Loss: -min(s * -1,
+    # clip(s, 0, 5) * -1) = s = 1e-5, over the pre-veto count 3; d/d logprob_0 = s / 3; the vetoed tokens
+    # get exactly zero gradient (their log-ratios are not in the mean).
+    x = torch.tensor([[math.log(1e-5), 0.0, math.log(2)]], requires_grad=True)
+    loss, m = loss_of(x, torch.zeros(1, 3), torch.tensor([-1.0]), torch.ones(1, 3, dtype=torch.bool),
+                      denominator=3.0, ratio_level="sequence")
+    assert loss.item() == pytest.approx(1e-5 / 3, rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(x.grad, torch.tensor([[1e-5 / 3, 0.0, 0.0]]), rtol=1e-5, atol=0)
+    assert finalize_metrics(m)["loss/veto_token_frac"] == pytest.approx(2 / 3)

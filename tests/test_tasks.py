@@ -60,8 +60,9 @@ def test_missing_dataset_file_and_unknown_generator():
 
 
 @pytest.mark.parametrize("fn,counter", [
-    ("raises", "num_errors"), ("returns_none", "num_invalid"), ("returns_nan", "num_invalid"),
-    ("returns_text", "num_invalid"), ("hangs", "num_timeouts"),
+    ("raises", "num_errors"), ("exits", "num_errors"), ("returns_none", "num_invalid"),
+    ("returns_nan", "num_invalid"), ("huge", "num_invalid"), ("returns_text", "num_invalid"),
+    ("hangs", "num_timeouts"),
 ])
 def test_faulty_reward_functions_score_zero_and_are_counted(fn, counter):
     task = build_task(TaskConfig(size=4, eval_size=1, reward_fn=f"toy_rewards:{fn}", reward_timeout_s=0.3))
@@ -70,6 +71,14 @@ def test_faulty_reward_functions_score_zero_and_are_counted(fn, counter):
     assert getattr(stats, counter) == 2
     if fn == "raises":
         assert "RuntimeError: boom" in stats.first_error
+    if fn == "exits":  # sys.exit() inside a reward is an error of that call, not the end of the run
+        assert "SystemExit" in stats.first_error
+
+
+def test_ctrl_c_inside_a_reward_function_still_stops():
+    task = build_task(TaskConfig(size=4, eval_size=1, reward_fn="toy_rewards:interrupted"))
+    with pytest.raises(KeyboardInterrupt):
+        task.score_all(["x"], task.items[:1])
 
 
 def test_custom_reward_function_gets_completion_answer_and_row():
@@ -105,3 +114,31 @@ def test_task_sampling_is_seeded_and_covers_the_pool():
     a = task.sample(25, torch.Generator().manual_seed(3))
     b = task.sample(25, torch.Generator().manual_seed(3))
     assert a == b and sorted(a[:10]) == list(range(10))  # first 10 draws are a permutation
+
+
+@pytest.mark.parametrize("source,needle", [
+    ("import no_such_dependency_xyz\n", "ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
+    ("raise RuntimeError('no API key')\n", "RuntimeError: no API key"),
+    ("def f(c, a, i:\n    return 0\n", "SyntaxError"),
+])
+def test_reward_module_that_fails_inside_its_import_reports_the_real_cause(tmp_path, monkeypatch, source, needle):
+    (tmp_path / "broken_reward.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError) as info:
+        build_task(TaskConfig(size=4, reward_fn="broken_reward:f"))
+    message = str(info.value)
+    assert needle in message and f"{tmp_path / 'broken_reward.py'}:" in message
+    assert "PYTHONPATH" not in message  # the module was found; its own import failed
+
+
+def test_malformed_jsonl_row_names_file_line_and_cause(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "1+1", "answer": "2"}\n{"question": "2+2", "answer": 4\n')
+    with pytest.raises(TaskError, match=r"d\.jsonl', line 2: not valid JSON \(Expecting ',' delimiter at column 32\)"):
+        build_task(TaskConfig(kind="math", name=str(path)))
+
+
+def test_upper_case_jsonl_suffix_is_a_jsonl_file(tmp_path):
+    rows = [{"question": f"{i} + 1", "answer": str(i + 1)} for i in range(4)]
+    task = build_task(TaskConfig(kind="math", name=_write_jsonl(tmp_path / "D.JSONL", rows), eval_size=0))
+    assert [item.answer for item in task.items] == ["1", "2", "3", "4"]

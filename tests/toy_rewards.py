@@ -1,4 +1,5 @@
 """Reward functions for tests (referenced as task.reward_fn=toy_rewards:NAME)."""
+import sys
 import time
 
 
@@ -26,3 +27,21 @@ def returns_nan(completion, answer, item):
 
 def returns_text(completion, answer, item):
     return "1.0"
+
+
+def exits(completion, answer, item):
+    sys.exit()
+
+
+def interrupted(completion, answer, item):
+    raise KeyboardInterrupt
+
+
+def huge(completion, answer, item):
+    return 1e39  # finite as a Python float, inf as float32
+
+
+def segfaults(completion, answer, item):
+    import ctypes
+
+    return ctypes.string_at(0)  # reads address 0: SIGSEGV

@@ -103,7 +103,7 @@ def run_mugrpo(method: str, size: Size, args) -> dict:
     from benchmarks.evaluate import UpdateEvaluator, patched_trainer
     from mugrpo import trainer
     from mugrpo.config import load_config
-    from mugrpo.metrics import read_metrics
+    from mugrpo.loggers import read_metrics
     from mugrpo.models import load_tokenizer, resolve_model_path
     from mugrpo.tasks import build_task
 

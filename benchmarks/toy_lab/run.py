@@ -109,7 +109,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
             spec: warmstart.WarmStartSpec, work: Path) -> dict:
     from mugrpo import trainer
     from mugrpo.config import load_config
-    from mugrpo.metrics import read_metrics
+    from mugrpo.loggers import read_metrics
     from mugrpo.models import load_tokenizer
     from mugrpo.tasks import build_task
 

