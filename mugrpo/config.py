@@ -310,9 +310,9 @@ class EvalConfig:
     """Evaluate the initial policy before the first update (also when resuming at update 0)."""
     greedy: bool = True
     """Greedy decoding (temperature 0), one response per item: ``eval/greedy_acc``."""
-    k: int = 0
-    """Sampled responses per item at ``eval.temperature`` (0: none): ``eval/avg_at_{k}``,
-    ``eval/pass_at_1`` and ``eval/pass_at_{k}`` (unbiased estimator, Chen et al. 2021)."""
+    num_samples: int = 0
+    """k: sampled responses per item at ``eval.temperature`` (0: none): ``eval/avg_at_{k}``,
+    ``eval/pass_at_1`` and ``eval/pass_at_{k}`` (unbiased estimator, Chen et al. 2021). Was ``eval.k``."""
     temperature: float = 1.0
     """Sampling temperature of the ``k`` sampled responses."""
     max_new_tokens: Optional[int] = None
@@ -419,8 +419,13 @@ def _coerce(key: str, value: Any, tp) -> Any:
     raise ConfigError(f"{key}: got {value!r} ({type(value).__name__}); expected {_type_name(tp)}")
 
 
+RENAMED_KEYS = {"eval.k": "eval.num_samples"}
+"""Old key names still accepted (e.g. in run directories written before the rename): old -> new."""
+
+
 def set_value(cfg: Config, key: str, value: Any) -> None:
     """Set a dotted ``key`` (e.g. ``loss.veto_delta``) on ``cfg`` with type checking."""
+    key = RENAMED_KEYS.get(key, key)
     parts = key.split(".")
     obj = cfg
     for depth, part in enumerate(parts):
@@ -583,15 +588,15 @@ LOGGERS = ("tensorboard", "wandb")
 
 def _validate_eval_and_log(cfg: Config) -> None:
     e = cfg.eval
-    for key in ("num_items", "every_stages", "every_updates", "k"):
+    for key in ("num_items", "every_stages", "every_updates", "num_samples"):
         _check(getattr(e, key) >= 0, f"eval.{key}", "an integer >= 0 (0 = off)", getattr(e, key))
     _check(0 < e.temperature < math.inf, "eval.temperature", "a finite number > 0 (greedy decoding is eval.greedy)",
            e.temperature)
     if e.max_new_tokens is not None:
         _check(e.max_new_tokens >= 1, "eval.max_new_tokens", "an integer >= 1 or null", e.max_new_tokens)
-    if e.num_items and not (e.greedy or e.k):
-        raise ConfigError("eval.greedy=false and eval.k=0 leave evaluation nothing to generate; "
-                          "set eval.k >= 1, eval.greedy=true, or eval.num_items=0 to turn evaluation off")
+    if e.num_items and not (e.greedy or e.num_samples):
+        raise ConfigError("eval.greedy=false and eval.num_samples=0 leave evaluation nothing to generate; "
+                          "set eval.num_samples >= 1, eval.greedy=true, or eval.num_items=0 to turn evaluation off")
     for name in cfg.log.loggers:
         _check(name in LOGGERS, "log.loggers", f"a list drawn from {list(LOGGERS)}", cfg.log.loggers)
 

@@ -35,8 +35,8 @@ def add_arguments(p) -> None:
                                             "(0: no sampling, greedy only). Default 4")
     p.add_argument("--n", type=int, default=None, help="samples per item (default: the largest k)")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy response")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: eval.temperature)")
+    p.add_argument("--top-p", type=float, default=None, help="default: rollout.top_p")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
     p.add_argument("--engine", choices=("auto", *ENGINES), default=None, help="default: rollout.engine")
@@ -193,12 +193,14 @@ def _settings(args, cfg):
         raise ConfigError("--n must be >= 0 and --num-items >= 1")
     if args.no_greedy and n == 0:
         raise ConfigError("--no-greedy with --k 0 leaves nothing to generate")
-    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+    temperature = args.temperature if args.temperature is not None else cfg.eval.temperature
+    top_p = args.top_p if args.top_p is not None else cfg.rollout.top_p
+    if not (0 < temperature < math.inf) or not 0 < top_p <= 1:
         raise ConfigError("--temperature must be > 0 (greedy is always on unless --no-greedy) and --top-p in (0, 1]")
     if n and 1 not in ks:
         ks = [1] + ks
-    return EvalSettings(greedy=not args.no_greedy, n=n, ks=tuple(ks), temperature=args.temperature,
-                        top_p=args.top_p, max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens,
+    return EvalSettings(greedy=not args.no_greedy, n=n, ks=tuple(ks), temperature=temperature,
+                        top_p=top_p, max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens,
                         seed=args.seed)
 
 

@@ -145,7 +145,8 @@ class TrainingEvaluator:
         e = cfg.eval
         self.cfg, self.plan, self.task, self.tokenizer, self.engine = cfg, plan, task, tokenizer, engine
         self.policy, self.logger, self.world, self.progress, self.t_start = policy, logger, world, progress, t_start
-        self.settings = EvalSettings(greedy=e.greedy, n=e.k, ks=tuple(sorted({1, e.k})) if e.k else (),
+        self.settings = EvalSettings(greedy=e.greedy, n=e.num_samples,
+                                     ks=tuple(sorted({1, e.num_samples})) if e.num_samples else (),
                                      temperature=e.temperature, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
                                      seed=seeds.eval_sampling(cfg.train.seed))
         items = task.eval_items[: e.num_items]

@@ -28,7 +28,7 @@ if [ "${1:-}" = "--tiny" ]; then
   "$MUGRPO_PYTHON" -c "from mugrpo.tiny import build_tiny_model; build_tiny_model('$work/tiny')"
   common=(model.name="$work/tiny" task.reward_fn=ones_reward:reward "task.few_shot=[]" task.instruction=
           task.size=1000 rollout.max_new_tokens=8 schedule.total_updates=16 optim.lr=3e-3
-          eval.num_items=32 eval.k=4 eval.every_updates=4 eval.every_stages=0 train.progress=false train.threads=1)
+          eval.num_items=32 eval.num_samples=4 eval.every_updates=4 eval.every_stages=0 train.progress=false train.threads=1)
   mugrpo train --preset grpo --run-dir "$work/grpo" "${common[@]}"
   mugrpo train --preset mu-grpo --run-dir "$work/mu-grpo" "${common[@]}" schedule.num_stages=2
   set -- "$work/grpo" "$work/mu-grpo"

@@ -6,7 +6,7 @@ from mugrpo.config import ConfigError, field_docs, load_config
 
 
 @pytest.mark.parametrize("override, message", [
-    ("eval.k=-1", "eval.k=-1 is out of range"),
+    ("eval.num_samples=-1", "eval.num_samples=-1 is out of range"),
     ("eval.every_updates=-2", "eval.every_updates"),
     ("eval.temperature=0", "eval.temperature"),
     ("eval.max_new_tokens=0", "eval.max_new_tokens"),
@@ -19,7 +19,7 @@ def test_bad_eval_and_log_values_name_the_key(override, message):
 
 
 def test_nothing_to_generate_is_rejected_unless_evaluation_is_off():
-    with pytest.raises(ConfigError, match="eval.greedy=false and eval.k=0"):
+    with pytest.raises(ConfigError, match="eval.greedy=false and eval.num_samples=0"):
         load_config(overrides=["eval.greedy=false"])
     cfg = load_config(overrides=["eval.greedy=false", "eval.num_items=0"])
     assert cfg.eval.num_items == 0
@@ -28,3 +28,14 @@ def test_nothing_to_generate_is_rejected_unless_evaluation_is_off():
 def test_every_eval_and_log_field_is_documented():
     undocumented = [key for key, _, doc in field_docs() if key.startswith(("eval.", "log.")) and not doc]
     assert undocumented == []
+
+
+def test_the_old_name_eval_k_still_loads():
+    # Run directories written before the rename hold eval: {k: ...} in config.yaml; resume must read them.
+    from mugrpo.config import from_dict, to_dict
+
+    saved = to_dict(load_config())
+    saved["eval"].pop("num_samples")
+    saved["eval"]["k"] = 3
+    assert from_dict(saved).eval.num_samples == 3
+    assert load_config(overrides=["eval.k=2"]).eval.num_samples == 2

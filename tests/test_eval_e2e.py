@@ -19,7 +19,7 @@ from mugrpo.tiny import build_tiny_model
 TINY = ["task.reward_fn=ones_reward:reward", "task.few_shot=[]", "task.instruction=", "task.size=200",
         "rollout.max_new_tokens=8", "rollout.group_size=4", "schedule.prompts_per_update=4",
         "schedule.total_updates=8", "optim.lr=3e-3", "train.progress=false"]
-EVAL = ["eval.num_items=8", "eval.k=2"]
+EVAL = ["eval.num_items=8", "eval.k=2"]  # the old name of eval.num_samples, still accepted
 MU = ["schedule.total_updates=6", "schedule.num_stages=3"]
 
 
