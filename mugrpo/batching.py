@@ -28,7 +28,7 @@ response tokens. This module builds tensors from stage data; it knows nothing ab
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,26 +43,15 @@ def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bo
 
 
 @dataclass
-class SharedBatch:
-    """A micro-batch of shared-prefix rows, plus the per-sequence tensors the loss takes."""
+class SharedBatch(MicroBatch):
+    """A micro-batch of shared-prefix rows: the model inputs are [B, L] rows (``attention_mask`` a
+    [B, 1, L, L] block mask: bool, True = may attend, for sdpa; additive float for eager), the
+    per-sequence tensors [S, R] as in :class:`~mugrpo.data.MicroBatch`, plus where each response
+    token sits in the rows."""
 
-    input_ids: torch.Tensor  # [B, L]
-    position_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, 1, L, L] bool (True = may attend), or additive float for eager
-    predict_index: torch.Tensor  # [N] flat index into B * L of the position whose logits predict each token
-    token_seq: torch.Tensor  # [N] which of the S sequences the token belongs to
-    token_pos: torch.Tensor  # [N] its position in that response
-    response_ids: torch.Tensor  # [S, R]
-    response_mask: torch.Tensor  # [S, R] bool
-    behavior_logprobs: torch.Tensor  # [S, R]
-    advantages: torch.Tensor  # [S]
-
-    @property
-    def response_len(self) -> int:
-        return self.response_ids.shape[1]
-
-    def to(self, device) -> "SharedBatch":
-        return SharedBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+    predict_index: torch.Tensor = field(kw_only=True)  # [N] flat index into B * L of the position predicting each token
+    token_seq: torch.Tensor = field(kw_only=True)  # [N] which of the S sequences the token belongs to
+    token_pos: torch.Tensor = field(kw_only=True)  # [N] its position in that response
 
 
 Row = tuple[int, list[int]]
@@ -173,9 +162,12 @@ def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: to
             slot += 1
             start += n
     response_mask = torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]
-    return SharedBatch(input_ids, position_ids, block_mask(segment, mask_dtype), torch.tensor(predict, dtype=torch.long),
-                       torch.tensor(token_seq, dtype=torch.long), torch.tensor(token_pos, dtype=torch.long),
-                       response_ids, response_mask, behavior, data.advantages[torch.tensor(seqs, dtype=torch.long)])
+    return SharedBatch(input_ids=input_ids, attention_mask=block_mask(segment, mask_dtype), position_ids=position_ids,
+                       response_ids=response_ids, response_mask=response_mask, behavior_logprobs=behavior,
+                       advantages=data.advantages[torch.tensor(seqs, dtype=torch.long)],
+                       predict_index=torch.tensor(predict, dtype=torch.long),
+                       token_seq=torch.tensor(token_seq, dtype=torch.long),
+                       token_pos=torch.tensor(token_pos, dtype=torch.long))
 
 
 def block_mask(segment: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:

@@ -176,7 +176,7 @@ class MicroBatch:
         return self.response_ids.shape[1]
 
     def to(self, device) -> "MicroBatch":
-        return MicroBatch(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+        return type(self)(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
 
 
 def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
