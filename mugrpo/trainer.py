@@ -336,14 +336,14 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
                   pad_id=0, mask_dtype=mask_dtype or torch.bool)
     batches = [b.to(device) for b in micro_batches(data, trained, **layout)]
     real = len(batches)
-    denominator = dist.sum_over_ranks(_denominator(policy, data, seqs, trained, batches, cfg, autocast).to(device))
-    denominator = denominator.clamp(min=1)
     # Under FSDP2 every rank must run as many forward/backward passes as the busiest one (each is a
     # collective); a rank with fewer repeats a real micro-batch (or builds one) with its loss times 0.
     num_passes = dist.max_over_ranks(real)
     if real < num_passes:
         filler = batches[:1] or [b.to(device) for b in micro_batches(data, seqs[:1], **layout)]
         batches += filler * (num_passes - real)
+    denominator = _denominator(policy, data, seqs, trained, batches, real, cfg, autocast)
+    denominator = dist.sum_over_ranks(denominator.to(device)).clamp(min=1)
     summed = _zero_metrics(settings, with_ref=ref_model is not None)
     summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
     poison = should_poison("loss")  # test hook: makes this update's loss NaN
@@ -422,14 +422,15 @@ def _zero_grads(policy) -> None:
             p.grad = torch.zeros_like(p)
 
 
-def _denominator(policy, data: StageData, seqs: list[int], trained: list[int], batches, cfg: Config,
+def _denominator(policy, data: StageData, seqs: list[int], trained: list[int], batches, real: int, cfg: Config,
                  autocast: bool) -> torch.Tensor:
     """This rank's share of the update's loss normaliser, counted over ALL of ``seqs``, skipped ones included.
 
     token-mean: response tokens; seq-mean modes: sequences. With ``loss.veto_normalizer=post_veto``
     the vetoed tokens (or wholly vetoed sequences) leave the count, which takes one extra no-grad
     forward of the trained micro-batches (the veto needs the current log-probs). A skipped
-    sequence has A = 0, which the veto never touches, so it counts in full.
+    sequence has A = 0, which the veto never touches, so it counts in full. ``batches`` beyond the
+    first ``real`` are filler passes (FSDP2 collectives): run, not counted.
     """
     token_mean = cfg.loss.aggregation == "token-mean"
     post_veto = cfg.loss.veto_normalizer == "post_veto"
@@ -437,15 +438,17 @@ def _denominator(policy, data: StageData, seqs: list[int], trained: list[int], b
     lengths = [len(data.responses[s]) for s in seqs if s not in counted]
     total = float(sum(lengths)) if token_mean else float(sum(n > 0 for n in lengths) if post_veto else len(lengths))
     if post_veto:
-        total += _kept_after_veto(policy, batches, cfg, autocast, token_mean)
+        total += _kept_after_veto(policy, batches, real, cfg, autocast, token_mean)
     return torch.tensor(total)
 
 
 @torch.no_grad()
-def _kept_after_veto(policy, batches, cfg: Config, autocast: bool, token_mean: bool) -> float:
+def _kept_after_veto(policy, batches, real: int, cfg: Config, autocast: bool, token_mean: bool) -> float:
     kept = 0.0
-    for mb in batches:
+    for i, mb in enumerate(batches):
         logprobs, _ = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, False, False)
+        if i >= real:
+            continue
         veto = veto_mask(logprobs - mb.behavior_logprobs, mb.advantages, mb.response_mask,
                          delta=cfg.loss.veto_delta, scope=cfg.loss.veto_scope)
         keep = mb.response_mask & ~veto.vetoed

@@ -136,13 +136,14 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model, tmp_path_factory) -> Path:
-    """16 updates in 4 stages by 2 ranks: 2 micro-batches of 8 sequences per rank per update,
-    gradient clipping active (every norm is 0.6-1.4 > 0.2), activation checkpointing on, every
-    checkpoint kept."""
+    """16 updates in 4 stages by 2 ranks: micro-batches of at most 8 sequences (zero-advantage ones
+    skipped, so the ranks' counts differ and filler passes run), the post-veto normaliser (its extra
+    forward is a collective too), gradient clipping active (every norm is 0.6-1.4 > 0.2), activation
+    checkpointing on, every checkpoint kept."""
     run = tmp_path_factory.mktemp("two") / "run"
     _mugrpo(2, ["--run-dir", str(run), f"model.name={tiny_model}", *COMMON, "schedule.total_updates=16",
                 "schedule.num_stages=4", "schedule.micro_batch_size=8", "optim.max_grad_norm=0.2",
-                "parallel.activation_checkpointing=true", "checkpoint.keep_last=5"])
+                "loss.veto_normalizer=post_veto", "parallel.activation_checkpointing=true", "checkpoint.keep_last=5"])
     return run
 
 
