@@ -392,8 +392,8 @@ def _step(policy, optimizer, scheduler, summed: dict, state: RunState, cfg: Conf
               f"norm ({grad_norm}); {state.bad_update_streak} in a row")
         if state.bad_update_streak >= cfg.checkpoint.max_bad_updates:
             raise TrainingError(f"{state.bad_update_streak} consecutive updates had a non-finite loss or gradient. "
-                                "Lower optim.lr, check the data (see stages/*/rollouts.jsonl), or turn off "
-                                "train.autocast; resume from the last checkpoint with --resume")
+                                "Check the data (see stages/*/rollouts.jsonl); a lower optim.lr or "
+                                "train.autocast=none needs a new run (--resume keeps the run's optimizer settings)")
     else:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
