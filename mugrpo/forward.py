@@ -48,9 +48,11 @@ def shared_prefix_support(model: torch.nn.Module) -> tuple[bool, torch.dtype | N
     return True, torch.bool if impl == "sdpa" else torch.float32, ""
 
 
-def response_logprobs(model, mb: MicroBatch | SharedBatch, temperature: float, autocast: bool,
+def response_logprobs(model, mb: MicroBatch, temperature: float, autocast: bool,
                       with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of the micro-batch's response tokens at ``temperature``, [S, R]."""
+    """Log-probs (and entropy) of the micro-batch's response tokens at ``temperature``, [S, R].
+
+    ``mb`` is a plain :class:`~mugrpo.data.MicroBatch` or its shared-prefix subclass."""
     device_type = mb.input_ids.device.type
     ctx = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     if isinstance(mb, SharedBatch):

@@ -20,17 +20,17 @@ from pathlib import Path
 
 import torch
 
-from mugrpo.errors import UserError
 from mugrpo import checkpoint as ckpt
-from mugrpo.checkpoint import RunState
+from mugrpo import data as data_files
 from mugrpo import distributed as dist
 from mugrpo import seeds
 from mugrpo.advantages import group_advantages, zero_variance_groups
 from mugrpo.batching import micro_batches, sequences_to_train
+from mugrpo.checkpoint import RunState
 from mugrpo.config import Config
-from mugrpo import data as data_files
 from mugrpo.data import StageData, write_stage_text
 from mugrpo.engines import SamplingConfig, make_engine, weights_loaded
+from mugrpo.errors import UserError
 from mugrpo.evaluate import TrainingEvaluator
 from mugrpo.faults import maybe_die, should_poison
 from mugrpo.forward import response_logprobs, shared_prefix_support
@@ -433,13 +433,12 @@ def _denominator(policy, data: StageData, seqs: list[int], trained: list[int], b
     first ``real`` are filler passes (FSDP2 collectives): run, not counted.
     """
     token_mean = cfg.loss.aggregation == "token-mean"
-    post_veto = cfg.loss.veto_normalizer == "post_veto"
-    counted = set(trained) if post_veto else set()
-    lengths = [len(data.responses[s]) for s in seqs if s not in counted]
-    total = float(sum(lengths)) if token_mean else float(sum(n > 0 for n in lengths) if post_veto else len(lengths))
-    if post_veto:
-        total += _kept_after_veto(policy, batches, real, cfg, autocast, token_mean)
-    return torch.tensor(total)
+    if cfg.loss.veto_normalizer != "post_veto":
+        return torch.tensor(float(sum(len(data.responses[s]) for s in seqs) if token_mean else len(seqs)))
+    trained_set = set(trained)
+    skipped = [len(data.responses[s]) for s in seqs if s not in trained_set]
+    kept_skipped = sum(skipped) if token_mean else sum(n > 0 for n in skipped)  # like keep.any(1) below
+    return torch.tensor(float(kept_skipped + _kept_after_veto(policy, batches, real, cfg, autocast, token_mean)))
 
 
 @torch.no_grad()
