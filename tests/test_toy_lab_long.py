@@ -9,6 +9,7 @@ from benchmarks.toy_lab.triggers import decisive_positions
 def test_target_text_writes_every_running_total():
     # 7 + 3 = 10, 10 + 5 = 15
     assert long_task.target_text([7, 3, 5]) == "a=7, b=3: 7+3=10, c=5: 10+5=15, \\boxed{15}"
+    assert long_task.target_text([7, 3], "verbose") == "a is 7. b is 3, so 7+3=10. \\boxed{10}"
 
 
 def test_score_is_an_exact_match_of_the_last_box():

@@ -5,7 +5,7 @@ them one at a time, looking each term up, copying the running total and writing 
 
     a=7, b=3: 7+3=10, c=5: 10+5=15, d=1: 15+1=16, ... \\boxed{41}
 
-Responses are 100-135 characters (1 token = 1 character; median 116). The decisive tokens are the
+Targets are 88-126 characters (1 token = 1 character; median 112). The decisive tokens are the
 running totals, two characters in fifteen; a wrong total early or in the middle is followed by
 many ordinary tokens (letters, looked-up digits, copies of the previous total, and later totals
 that are right *given* the wrong prefix). That is the shape the suffix veto is about: an unlikely
@@ -51,6 +51,9 @@ class LongSpec:
     sft_max_steps: int = 4000
     eval_every: int = 50
     eval_prompts: int = 128
+    answer_format: str = "compact"
+    """``compact``: ``a=7, b=3: 7+3=10, ...``; ``verbose``: ``a is 7. b is 3, so 7+3=10. ...`` (more
+    ordinary tokens per decisive one, so fewer terms reach the same length)."""
     sft_bf16: bool = True
     """bf16 autocast for the SFT (about 2x faster on a CPU with native bf16)."""
     target_pass1: float = 0.25
@@ -70,11 +73,13 @@ def make_item(rng: random.Random, spec: LongSpec) -> dict:
     return {"question": question, "answer": str(sum(terms)), "terms": terms}
 
 
-def target_text(terms: list[int]) -> str:
-    """The worked answer: ``a=7, b=3: 7+3=10, c=5: 10+5=15, \\boxed{15}``."""
-    steps, total = [f"a={terms[0]}, "], terms[0]
+def target_text(terms: list[int], answer_format: str = "compact") -> str:
+    """The worked answer: ``a=7, b=3: 7+3=10, c=5: 10+5=15, \\boxed{15}`` (compact) or
+    ``a is 7. b is 3, so 7+3=10. c is 5, so 10+5=15. \\boxed{15}`` (verbose)."""
+    verbose = answer_format == "verbose"
+    steps, total = [f"a is {terms[0]}. " if verbose else f"a={terms[0]}, "], terms[0]
     for c, t in zip(string.ascii_lowercase[1:], terms[1:]):
-        steps.append(f"{c}={t}: {total}+{t}={total + t}, ")
+        steps.append(f"{c} is {t}, so {total}+{t}={total + t}. " if verbose else f"{c}={t}: {total}+{t}={total + t}, ")
         total += t
     return "".join(steps) + f"\\boxed{{{total}}}"
 
@@ -137,7 +142,7 @@ def build(spec: LongSpec, cache: Path = CACHE, log=print) -> Path:
     task = build_task(cfg.task)
     eval_items = task.eval_items[:spec.eval_prompts]
     eval_prompts = [prompt_ids(tokenizer, it.question, cfg.task) for it in eval_items]
-    targets = [target_text(it.entry["terms"]) for it in task.items + task.eval_items]
+    targets = [target_text(it.entry["terms"], spec.answer_format) for it in task.items + task.eval_items]
     max_new_tokens = max(len(t) for t in targets) + 1  # room for the longest target plus EOS
     opt = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(spec.seed)
@@ -147,7 +152,7 @@ def build(spec: LongSpec, cache: Path = CACHE, log=print) -> Path:
         idx = torch.randint(len(task.items), (spec.sft_batch,), generator=gen).tolist()
         items = [task.items[i] for i in idx]
         ids, att, labels = _sft_batch(tokenizer, [prompt_ids(tokenizer, it.question, cfg.task) for it in items],
-                                      [target_text(it.entry["terms"]) for it in items])
+                                      [target_text(it.entry["terms"], spec.answer_format) for it in items])
         model.train()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec.sft_bf16):
             loss = model(input_ids=ids, attention_mask=att, labels=labels).loss

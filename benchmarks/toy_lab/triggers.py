@@ -63,7 +63,10 @@ def stage_log_ratios(run_dir: Path):
     data = StageData.load(shard_path(stage, 0))
     ckpt = sorted((run_dir / "checkpoints").glob("ckpt_*"))[-1]
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32)
-    model.load_state_dict(load_file(str(ckpt / "model.safetensors")))
+    missing, unexpected = model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the head is tied to the embedding, saved once
+        raise SystemExit(f"[toy_lab] {ckpt} does not fit {cfg.model.name}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
     model.eval()
     pad = model.config.pad_token_id
     ratios = []
