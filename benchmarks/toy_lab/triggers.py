@@ -107,7 +107,7 @@ def analyse(run_dir: Path, num_examples: int = 4) -> dict:
             pre += [math.exp(v) for v in lr[:k]]
             at.append(math.exp(lr[k]))
             post += [math.exp(max(v, -20)) for v in lr[k + 1:]]
-            if len(examples) < num_examples and delta == 1e-3:
+            if len(examples) < num_examples and delta == 1e-3 and all(e["full"] != text for e in examples):
                 marked = "".join(f"[[{c}]]" if t == k else c for t, c in enumerate(chars))
                 examples.append({"seq": s, "advantage": round(float(data.advantages[s]), 3),
                                  "reward": float(data.rewards[s]), "first_trigger": k,
