@@ -33,7 +33,7 @@ from benchmarks.toy_lab.plot import _panel, _stage_lines, markdown_summary  # no
 
 COLORS = {"grpo": "black", "grpo-stale": "tab:gray", "grpo-stale-relaxed": "tab:red", "m2po": "tab:orange",
           "mu-grpo": "tab:blue", "veto=trigger": "tab:purple", "delta=0.01": "tab:green", "delta=0.001": "tab:cyan"}
-STALENESS_PANELS = (("loss/ratio_mean_neg", "E[rho | A<0]", False), ("loss/ratio_mean_pos", "E[rho | A>0]", False),
+STALENESS_PANELS = (("loss/ratio_mean_neg", "E[rho | A<0], log", True), ("loss/ratio_mean_pos", "E[rho | A>0], log", True),
                     ("loss/veto_token_frac", "vetoed token fraction", False),
                     ("loss/trigger_frac", "trigger token fraction", False),
                     ("loss/first_trigger_pos", "first trigger position (tokens)", False),
@@ -55,7 +55,19 @@ def _by_position(runs, name, key, stage, mu):
     return np.array(rows)
 
 
-def plot_staleness(result, out: Path) -> Path:
+def _nan_smooth(y, k):
+    """Running mean over ``k`` updates that skips NaN (updates whose minibatch had no such token)."""
+    if k <= 1:
+        return y
+    out = np.full_like(y, np.nan)
+    for j in range(y.shape[-1]):
+        window = y[..., max(0, j - k + 1): j + 1]
+        with np.errstate(all="ignore"):
+            out[..., j] = np.nanmean(window, -1)
+    return out
+
+
+def plot_staleness(result, out: Path, smooth: int = 4) -> Path:
     runs, size = result["runs"], result["size"]
     mu = size["total_updates"] // size["stale_stages"]
     names = [n for n in COLORS if n != "grpo" and any(r["name"] == n for r in runs)]
@@ -64,7 +76,7 @@ def plot_staleness(result, out: Path) -> Path:
     for ax, (key, label, log) in zip(axes.flat, STALENESS_PANELS):
         for name in names:
             for stage, ls in ((0, "-"), (1, "--")):
-                y = _by_position(runs, name, key, stage, mu)
+                y = _nan_smooth(_by_position(runs, name, key, stage, mu), smooth)
                 if y.size == 0 or np.all(np.isnan(y)):
                     continue
                 with np.errstate(all="ignore"):
@@ -78,9 +90,10 @@ def plot_staleness(result, out: Path) -> Path:
         if log:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"long toy lab: per-update diagnostics vs staleness, mu={mu}, lr={size['lr']:g}; stage 1 solid, "
-                 "stage 2 dashed; band = min..max over seeds", fontsize=9)
+    axes.flat[2].legend(fontsize=7)
+    stages = "; stage 1 solid, stage 2 dashed" if size["stale_stages"] > 1 else ""
+    fig.suptitle(f"long toy lab: per-update diagnostics vs staleness, mu={mu}, lr={size['lr']:g}{stages}; mean over "
+                 f"seeds of a running mean over {smooth} updates, band = min..max over seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=72)
     plt.close(fig)
@@ -100,7 +113,7 @@ def plot_all(path: Path) -> list[Path]:
         _panel(axes[0], grid, names, "update", "pass1", "eval", "held-out pass@1 (T=1)")
         _panel(axes[1], grid, names, "update", "loss/kl_behavior", "updates", "KL(pi_b || pi_theta), k3", log=True,
                smooth=3)
-        _panel(axes[2], grid, names, "update", "loss/ratio_mean_neg", "updates", "E[rho | A<0]", smooth=3)
+        _panel(axes[2], grid, names, "update", "loss/ratio_mean_neg", "updates", "E[rho | A<0], log", log=True)
         for ax in axes:
             _stage_lines(ax, result)
             for line in ax.get_lines():

@@ -305,7 +305,10 @@ def main(argv=None) -> int:
             result["total_cpu_s"] = _cpu_s() - cpu_all
             result["machine"]["loadavg_end"] = os.getloadavg()
             out_path.write_text(dump_json(result))
-    from benchmarks.toy_lab.plot import plot_all
+    if long:
+        from benchmarks.toy_lab.plot_long import plot_all
+    else:
+        from benchmarks.toy_lab.plot import plot_all
 
     for path in plot_all(out_path):
         print(f"[toy_lab] wrote {path}")
