@@ -131,8 +131,6 @@ def plot_all(path: Path) -> list[Path]:
     if paper:
         fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
         both = paper + [r for r in grid if r["name"] + "@paper-lr" in {p["name"] for p in paper}]
-        for r in both:  # colour by preset, lr told by the name
-            COLORS.setdefault(r["name"], COLORS.get(r["preset"], "k"))
         pnames = sorted({r["name"] for r in both})
         _panel(axes[0], both, pnames, "update", "pass1", "eval", "held-out pass@1 (T=1)")
         _panel(axes[1], both, pnames, "update", "loss/ratio_mean_neg", "updates", "E[rho | A<0]", smooth=3)
@@ -140,8 +138,13 @@ def plot_all(path: Path) -> list[Path]:
             _stage_lines(ax, result)
             for line in ax.get_lines():
                 name = line.get_label().split(" (")[0]
+                if name.split("@")[0] in COLORS:
+                    line.set_color(COLORS[name.split("@")[0]])
                 if name.endswith("@paper-lr"):
                     line.set_linestyle("--")
+            for band in ax.collections:  # min..max bands: no label, so grey them out
+                band.set_color("0.5")
+                band.set_alpha(0.1)
         axes[0].legend(fontsize=7)
         fig.suptitle(f"long toy lab: lr {size['paper_lr']:g} (S x lr = {mu * size['paper_lr']:.1e}, dashed) vs "
                      f"lr {size['lr']:g} (S x lr = {mu * size['lr']:.1e}, solid)", fontsize=9)
