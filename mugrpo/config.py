@@ -59,10 +59,13 @@ class TaskConfig:
     )
     """reasoning-gym generator config fields (difficulty). Replaced as a whole when set."""
     size: int = 10_000
-    """Number of training items generated (reasoning-gym). The default task has only ~240 distinct
-    questions, so held-out items overlap the training ones; use harder params for a clean split."""
+    """Number of training items generated (reasoning-gym); items repeat when the generator's pool of
+    questions is small (the default task has 242 distinct questions)."""
     eval_size: int = 200
-    """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split)."""
+    """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split). A held-out
+    question never occurs in training (compared by text, case and spacing aside): training items with a
+    held-out question are dropped, while training keeps two thirds of its distinct questions; a small
+    pool gets fewer held-out items (the default task: 80), with a note."""
     seed: int = 0
     split: str = "train"
     """HF dataset split (kind=math)."""

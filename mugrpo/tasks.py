@@ -198,7 +198,52 @@ def build_task(task_cfg) -> Task:
         def scorer(text: str, item: Item) -> float:
             return user_fn(text, item.answer, item.entry)
 
+    items, eval_items = clean_split(name, items, eval_items, task_cfg.eval_size)
     return Task(name, items, eval_items, scorer, task_cfg.reward_timeout_s)
+
+
+def question_key(question: str) -> str:
+    """The text two questions are compared by: case and runs of whitespace do not count."""
+    return " ".join(question.split()).casefold()
+
+
+MIN_TRAIN_SHARE = 2 / 3
+"""The share of its distinct questions that training keeps when held-out items must be taken from it."""
+
+
+def clean_split(name: str, items: list[Item], eval_items: list[Item], eval_size: int) -> tuple[list[Item], list[Item]]:
+    """Held-out items that never occur in training, compared by question text (:func:`question_key`).
+
+    The held-out set is deduplicated and cut to ``eval_size``; every training item whose question
+    is held out leaves training. A task with a small pool of questions (the default task has 242)
+    would lose most of them, so held-out questions are taken from training only while training keeps
+    at least ``MIN_TRAIN_SHARE`` of its distinct questions; the held-out set is smaller than
+    ``eval_size`` then, and a note says so.
+    """
+    train_keys = {question_key(item.question) for item in items}
+    budget = int(len(train_keys) * (1 - MIN_TRAIN_SHARE))
+    held_out, held_keys, taken, refused = [], set(), 0, 0
+    for item in eval_items:
+        key = question_key(item.question)
+        if len(held_out) == eval_size or key in held_keys:
+            continue
+        if key in train_keys:
+            if taken == budget:
+                refused += 1
+                continue
+            taken += 1
+        held_out.append(item)
+        held_keys.add(key)
+    train = [item for item in items if question_key(item.question) not in held_keys]
+    if refused and len(held_out) < eval_size:
+        print(f"[mugrpo] note: task {name!r}: {len(held_out)} held-out items instead of task.eval_size={eval_size}: "
+              f"the task has {len(train_keys)} distinct training questions, and held-out questions are removed from "
+              f"training only while training keeps {MIN_TRAIN_SHARE:.0%} of them (so held-out never occurs in "
+              "training). Use harder task.params or a larger dataset for a larger held-out set")
+    if not train:
+        raise TaskError(f"task {name!r}: no training item is left once the held-out questions are removed; "
+                        "lower task.eval_size")
+    return train, held_out
 
 
 def _reasoning_gym(task_cfg):
@@ -212,7 +257,7 @@ def _reasoning_gym(task_cfg):
                             "Check task.name and task.params (the generator's config fields)") from exc
 
     train = make(task_cfg.size, task_cfg.seed)
-    held_out = make(max(task_cfg.eval_size, 1), task_cfg.seed + 1)
+    held_out = make(max(2 * task_cfg.eval_size, 1), task_cfg.seed + 1)  # spares: duplicates leave
     datasets = {}
 
     def _builtin_rg(text: str, item: Item) -> float:
@@ -225,7 +270,7 @@ def _reasoning_gym(task_cfg):
     datasets["train"], datasets["eval"] = train, held_out
     items = [Item(str(e["question"]), str(e["answer"]), {**e, "_split": "train"}) for e in train]
     eval_items = [Item(str(e["question"]), str(e["answer"]), {**e, "_split": "eval"}) for e in held_out]
-    return task_cfg.name, items, eval_items[: task_cfg.eval_size], _builtin_rg
+    return task_cfg.name, items, eval_items, _builtin_rg
 
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
