@@ -46,9 +46,10 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    kind: Literal["reasoning_gym", "math"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "math", "rows"] = "reasoning_gym"
     """``reasoning_gym``: a procedural generator scored by its own checker; ``math``: question/answer
-    rows from a local jsonl/json/parquet/csv file or a Hugging Face dataset, scored by math-verify."""
+    rows from a local jsonl/json/parquet/csv file or a Hugging Face dataset, scored by math-verify;
+    ``rows``: rows passed from Python (``mugrpo.train(train_dataset=...)``; set by it)."""
     name: str = "basic_arithmetic"
     """reasoning-gym generator name, or (kind=math) a local file path or a HF dataset name."""
     params: dict = field(
@@ -75,7 +76,15 @@ class TaskConfig:
     answer_key: str = "answer"
     reward_fn: Optional[str] = None
     """``module:function`` called as ``f(completion: str, answer: str, item: dict) -> float``;
-    replaces the task's own scorer."""
+    replaces the task's own scorer. For several rewards use ``task.rewards``."""
+    rewards: list = field(default_factory=list)
+    """Several rewards, summed with weights: ``[{fn, weight, name}]``. ``fn`` is a built-in
+    (``correctness``: the task's own checker; ``math_verify``; ``boxed_format``: 1 if there is a
+    ``\\boxed{}`` answer), a ``module:function`` path, or (from Python) a function, with the signature
+    ``f(completion, answer, item) -> float`` or TRL's batched ``f(prompts, completions, **kwargs) ->
+    list``. ``weight`` defaults to 1, ``name`` to the function's. Each is logged as
+    ``reward/<name>/mean``; evaluation scores with ``correctness`` alone when it is listed. Empty: one
+    reward, ``task.reward_fn`` or correctness."""
     reward_timeout_s: float = 10.0
     """Per-call limit for the reward function; a call that exceeds it scores 0 and is counted."""
     instruction: str = DEFAULT_INSTRUCTION
@@ -569,6 +578,7 @@ def validate(cfg: Config) -> None:
            cfg.task.reward_timeout_s)
     if cfg.task.reward_fn is not None:
         _check(":" in cfg.task.reward_fn, "task.reward_fn", "'module:function'", cfg.task.reward_fn)
+    _validate_rewards(cfg.task)
     for i, shot in enumerate(cfg.task.few_shot):
         if not (isinstance(shot, dict) and set(shot) == {"question", "answer"}):
             raise ConfigError(f"task.few_shot[{i}] must be a mapping with keys 'question' and 'answer'")
@@ -584,6 +594,32 @@ def validate(cfg: Config) -> None:
                           "and set model.gradient_checkpointing=false")
     _validate_eval_and_log(cfg)
     make_plan(cfg)  # schedule consistency is the planner's job; called here so errors surface at start-up
+
+
+def _validate_rewards(task: TaskConfig) -> None:
+    if task.rewards and task.reward_fn is not None:
+        raise ConfigError("task.reward_fn and task.rewards are both set; list the function in task.rewards "
+                          f"(e.g. {{fn: {task.reward_fn}, weight: 1.0}}) and set task.reward_fn=null")
+    names = set()
+    for i, spec in enumerate(task.rewards):
+        key = f"task.rewards[{i}]"
+        if isinstance(spec, str) or callable(spec):
+            spec = task.rewards[i] = {"fn": spec}
+        if not (isinstance(spec, dict) and "fn" in spec and set(spec) <= {"fn", "weight", "name"}):
+            raise ConfigError(f"{key}={spec!r}: each reward is a mapping {{fn, weight, name}} (fn required), e.g. "
+                              "{fn: correctness, weight: 1.0}")
+        if not (callable(spec["fn"]) or isinstance(spec["fn"], str) and spec["fn"]):
+            raise ConfigError(f"{key}.fn={spec['fn']!r}: a built-in name, 'module:function', or a Python function")
+        weight = spec.get("weight", 1.0)
+        _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+               f"{key}.weight", "a finite number", weight)
+        name = spec.get("name")
+        if name is not None:
+            _check(isinstance(name, str) and name and "/" not in name, f"{key}.name", "a non-empty string without '/'",
+                   name)
+            if name in names:
+                raise ConfigError(f"{key}.name={name!r} is used twice; give each reward its own name")
+            names.add(name)
 
 
 LOGGERS = ("tensorboard", "wandb")
@@ -618,7 +654,12 @@ def _validate_vllm(r: RolloutConfig) -> None:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data; a reward given as a Python function is written ``python:module.qualname``."""
+    from mugrpo.rewards import function_label
+
+    rewards = [{**spec, "fn": function_label(spec["fn"])} if isinstance(spec, dict) and callable(spec.get("fn"))
+               else spec for spec in cfg.task.rewards]
+    return dataclasses.asdict(dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, rewards=rewards)))
 
 
 def dump_yaml(cfg: Config) -> str:

@@ -67,7 +67,7 @@ def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[in
     """Prompt token ids and the items they belong to, with ``task.prompt_too_long`` applied to
     prompts over ``task.max_prompt_tokens``: ``error`` raises, ``skip`` drops the item (with a
     warning: the metrics are then over fewer items), ``truncate`` keeps the prompt's tail."""
-    prompts = [prompt_ids(tokenizer, item.question, task_cfg) for item in items]
+    prompts = [prompt_ids(tokenizer, item.prompt, task_cfg) for item in items]
     prompts, kept = limit_prompts(prompts, task_cfg, "evaluation")
     if len(kept) < len(items):
         print(f"[mugrpo] warning: skipping {len(items) - len(kept)} of {len(items)} evaluation items whose prompt is "
@@ -98,7 +98,7 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
         flat = [c for group in completions for c in group]
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
         repeated = [item for item in items for _ in range(sampling.n)]
-        scores, _ = task.score_all(texts, repeated)
+        scores, _ = task.score_eval(texts, repeated)
         per_item = scores.view(len(items), sampling.n).tolist()
         if mode == "greedy":
             out.greedy = [row[0] for row in per_item]

@@ -40,7 +40,8 @@ from mugrpo.loggers import NullLogger, make_logger
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
-from mugrpo.tasks import build_task, limit_prompts, prompt_ids
+from mugrpo.rewards import per_reward_counts, per_reward_metrics
+from mugrpo.tasks import Task, build_task, limit_prompts, prompt_ids
 from mugrpo.veto import veto_mask
 
 
@@ -52,8 +53,10 @@ class TrainingError(UserError, RuntimeError):
 # The loop.
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
-    """Run (or resume) a training run in ``run_dir``; returns the final model folder."""
+def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = None) -> Path:
+    """Run (or resume) a training run in ``run_dir``; returns the final model folder.
+
+    ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s."""
     run_dir = Path(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
@@ -78,7 +81,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         if ref_model is not None:
             ref_model = dist.prepare_frozen(ref_model, cfg, world)
         optimizer, scheduler = build_optimizer(policy, cfg, plan)
-        task = build_task(cfg.task)
+        task = task or build_task(cfg.task)
         engine = make_engine(resolved.engine, model_path, tokenizer,
                              dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
         state = RunState()
@@ -269,14 +272,16 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         print(f"[mugrpo] warning: the reward function raised {score_stats.num_errors} time(s) in stage "
               f"{state.stage} (scored 0); first traceback:\n{score_stats.first_error}")
     num_new = sum(len(c.token_ids) for c in flat)
+    names = [r.name for r in task.rewards] if len(task.rewards) > 1 or cfg.task.rewards else []
     counts = dist.sum_over_ranks(torch.tensor([
         score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
-        score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts)], dtype=torch.float64)).tolist()
+        score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts),
+        *per_reward_counts(score_stats, names)], dtype=torch.float64)).tolist()
     num_failed = int(counts[0] + counts[1] + counts[2])
-    if num_failed and num_failed == int(counts[4]) and world.is_main:
+    if num_failed and num_failed == int(counts[4]) * len(task.rewards) and world.is_main:
         print(f"[mugrpo] warning: stage {state.stage}: all {num_failed} rewards failed and scored 0 "
               f"({int(counts[0])} errors, {int(counts[1])} timeouts, {int(counts[2])} invalid values), so nothing "
-              "is learned from this stage. Check task.reward_fn (any traceback is printed above), "
+              "is learned from this stage. Check task.reward_fn / task.rewards (any traceback is printed above), "
               "task.reward_timeout_s, and that the scorer returns a finite number")
     stats.update({
         "perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
@@ -284,6 +289,7 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         "reward/num_errors": int(counts[0]), "reward/num_timeouts": int(counts[1]),
         "reward/num_invalid": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
         "stage/num_prompts_skipped": int(counts[5]),
+        **per_reward_metrics(names, counts[6:], counts[4]),
     })
     return data, stats
 
@@ -292,7 +298,7 @@ def _stage_prompts(state: RunState, task, tokenizer, cfg: Config, plan: Plan, wo
     """This rank's share of the stage's prompt draw (whole groups), tokenised, the length rule applied."""
     gen = torch.Generator().manual_seed(seeds.prompt_draw(cfg.train.seed, state.stage))
     indices = dist.generation_share(task.sample(plan.prompts_per_stage, gen), world)
-    prompts = [prompt_ids(tokenizer, task.items[i].question, cfg.task) for i in indices]
+    prompts = [prompt_ids(tokenizer, task.items[i].prompt, cfg.task) for i in indices]
     prompts, kept = limit_prompts(prompts, cfg.task, "training")
     return [indices[i] for i in kept], prompts
 
