@@ -605,9 +605,10 @@ def _validate_rewards(task: TaskConfig) -> None:
         key = f"task.rewards[{i}]"
         if isinstance(spec, str) or callable(spec):
             spec = task.rewards[i] = {"fn": spec}
-        if not (isinstance(spec, dict) and "fn" in spec and set(spec) <= {"fn", "weight", "name"}):
+        unknown = sorted(set(spec) - {"fn", "weight", "name"}) if isinstance(spec, dict) else []
+        if not (isinstance(spec, dict) and "fn" in spec) or unknown:
             raise ConfigError(f"{key}={spec!r}: each reward is a mapping {{fn, weight, name}} (fn required), e.g. "
-                              "{fn: correctness, weight: 1.0}")
+                              "{fn: correctness, weight: 1.0}" + (f"; unknown key(s) {unknown}" if unknown else ""))
         if not (callable(spec["fn"]) or isinstance(spec["fn"], str) and spec["fn"]):
             raise ConfigError(f"{key}.fn={spec['fn']!r}: a built-in name, 'module:function', or a Python function")
         weight = spec.get("weight", 1.0)

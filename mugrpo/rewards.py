@@ -156,8 +156,9 @@ def make_reward(spec: Any, weight: float, name: Optional[str], builtins: dict[st
         return RewardFn(name, builtins[spec], weight, builtin=True)
     if spec.startswith(PYTHON_PREFIX):
         raise RewardError(f"reward {name!r} was a Python function ({spec[len(PYTHON_PREFIX):]}) passed to "
-                          "mugrpo.train; a config file cannot hold it. Resume or evaluate this run from Python, "
-                          "passing the same function: mugrpo.train(..., reward_funcs=[...], resume=True)")
+                          "mugrpo.train; a config file cannot hold it. Resume this run from Python, passing the "
+                          "same function: mugrpo.train(run_dir=..., reward_funcs=[...], resume=True); evaluate "
+                          "its model with the task's correctness: mugrpo eval --model RUN_DIR/final_model")
     if ":" not in spec:
         raise RewardError(f"reward {spec!r} is not a built-in ({', '.join(BUILTIN_REWARDS)}) nor a "
                           "'module:function' import path")

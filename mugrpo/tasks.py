@@ -113,8 +113,9 @@ def build_task(task_cfg, rows: Optional[list[dict]] = None, eval_rows: Optional[
         name, items, eval_items, correctness = _python_rows(task_cfg, rows, eval_rows)
     elif task_cfg.kind == "rows":
         raise TaskError(f"task.name={task_cfg.name!r}: this run's data were passed from Python to mugrpo.train and "
-                        "are not stored in its config; resume or evaluate it from Python with the same data "
-                        "(mugrpo.train(..., train_dataset=..., resume=True))")
+                        "are not stored in its config; resume it from Python with the same data "
+                        "(mugrpo.train(run_dir=..., train_dataset=..., resume=True)), and evaluate its model on a "
+                        "named task or file (mugrpo eval --model RUN_DIR/final_model --task FILE.jsonl)")
     elif task_cfg.kind == "reasoning_gym":
         name, items, eval_items, correctness = _reasoning_gym(task_cfg)
     else:
