@@ -57,8 +57,8 @@ class Run:
 
     @property
     def updates_per_stage(self) -> Optional[int]:
-        if self.stages:
-            return int(self.stages[0]["update_in_stage"])
+        if self.stages:  # the longest: adaptive stages (schedule.adaptive) may end before mu
+            return max(int(s["update_in_stage"]) for s in self.stages)
         return (self.config.get("schedule") or {}).get("updates_per_stage")
 
 
