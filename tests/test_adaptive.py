@@ -170,9 +170,10 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.parametrize("die_at", [
-    "update:4",   # stage 1's first update (last checkpoint: stage 0's end, update 3)
-    "update:6",   # the update whose guard ends stage 1, killed before that stage-end checkpoint (last: update 5)
-    "update:3",   # the same at stage 0's end; the last checkpoint is mid-stage (update 2)
+    # Killed after the update whose guard ends the stage, before that stage-end checkpoint: the resume
+    # loads the mid-stage checkpoint (every_updates=2) and must replay the update and decide the same.
+    "update:6",   # stage 1 (last checkpoint: update 5, in-stage 2)
+    "update:3",   # stage 0 (last checkpoint: update 2, in-stage 2)
 ])
 def test_killed_mid_adaptive_stage_resumes_bitwise(tmp_path, tiny_model_dir, reference, die_at):
     run_dir = tmp_path / "run"
