@@ -143,6 +143,10 @@ class RolloutConfig:
     (and no core reserved for the front end). An environment variable already set wins."""
 
 
+ADAPTIVE_GUARDS = ("none", "kl", "neg_ratio", "kl_or_neg_ratio")
+"""``schedule.adaptive``: the drift guards that may end a stage early (:mod:`mugrpo.adaptive`)."""
+
+
 @dataclass
 class ScheduleConfig:
     total_updates: int = 32
@@ -161,6 +165,25 @@ class ScheduleConfig:
     the budget changes speed and memory, never the update."""
     micro_batch_size: Optional[int] = None
     """Optional cap on sequences per micro-batch on top of the token budget; null: no cap."""
+    adaptive: Literal[ADAPTIVE_GUARDS] = "none"
+    """Adaptive stage (docs/ALGORITHM.md section 3a): end a stage early when a drift guard trips on
+    the update just done, then regenerate with the current weights. ``none``: fixed stages of mu
+    updates. ``kl``: trips when ``loss/kl_behavior`` (k3 KL(behaviour -> current) over the update's
+    trained tokens) exceeds ``adaptive_kl_max``; ``neg_ratio``: when ``loss/ratio_mean_neg``
+    (E[rho | A<0]) falls below ``adaptive_neg_ratio_min``; ``kl_or_neg_ratio``: either. A NaN metric
+    (no token to measure) never trips. With a guard, mu (``updates_per_stage``, or total_updates /
+    num_stages) is the MAXIMUM stage length and ``total_updates`` the budget: the run ends after U
+    updates whatever the number of stages. Every stage still generates ``rollout.prompts_per_stage``
+    prompts (sized for mu updates); an early end leaves the rest unused (``stage/passes_used`` < 1
+    in the stage record, beside ``stage/end_reason`` and ``stage/num_updates``): set
+    ``rollout.prompts_per_stage`` lower to waste less."""
+    adaptive_kl_max: float = 0.05
+    """The ``kl`` guard's threshold on k3 KL(behaviour -> current) of the last update (nats/token)."""
+    adaptive_neg_ratio_min: float = 0.8
+    """The ``neg_ratio`` guard's threshold on E[rho | A<0] of the last update (1 = no drift)."""
+    adaptive_min_updates: int = 1
+    """With a guard: a stage never ends before this many updates (at most mu). Stages in the run:
+    between U / mu and ceil(U / adaptive_min_updates)."""
 
 
 CLIP_MODES = ("ppo", "m2po")
@@ -544,6 +567,7 @@ def validate(cfg: Config) -> None:
         _check(s.updates_per_stage >= 1, "schedule.updates_per_stage", "an integer >= 1", s.updates_per_stage)
     if s.num_stages is not None:
         _check(s.num_stages >= 1, "schedule.num_stages", "an integer >= 1", s.num_stages)
+    _validate_adaptive(s)
     _check(r.group_size >= 2, "rollout.group_size", "an integer >= 2 (advantages need a group)", r.group_size)
     if r.prompts_per_stage is not None:
         _check(r.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null", r.prompts_per_stage)
@@ -639,6 +663,15 @@ def _validate_eval_and_log(cfg: Config) -> None:
                           "set eval.num_samples >= 1, eval.greedy=true, or eval.num_items=0 to turn evaluation off")
     for name in cfg.log.loggers:
         _check(name in LOGGERS, "log.loggers", f"a list drawn from {list(LOGGERS)}", cfg.log.loggers)
+
+
+def _validate_adaptive(s: ScheduleConfig) -> None:
+    """The adaptive-stage keys; their bound against mu is checked by :func:`mugrpo.plan.make_plan`."""
+    _check(0 < s.adaptive_kl_max < math.inf, "schedule.adaptive_kl_max", "a finite number > 0 (nats per token)",
+           s.adaptive_kl_max)
+    _check(0 < s.adaptive_neg_ratio_min <= 1, "schedule.adaptive_neg_ratio_min",
+           "in (0, 1] (E[rho | A<0] starts at 1 and falls as the stage drifts)", s.adaptive_neg_ratio_min)
+    _check(s.adaptive_min_updates >= 1, "schedule.adaptive_min_updates", "an integer >= 1", s.adaptive_min_updates)
 
 
 def _validate_vllm(r: RolloutConfig) -> None:

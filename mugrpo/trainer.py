@@ -3,7 +3,9 @@
 Each stage: push weights to the engine (the stage's only sync) -> generate every prompt of the
 stage once, with behaviour log-probs -> score -> group advantages -> persist the stage dataset ->
 release the engine -> mu optimizer updates on the static data, ratios always against the STORED
-behaviour log-probs. ``grpo`` is this loop with mu = 4.
+behaviour log-probs. ``grpo`` is this loop with mu = 4. With ``schedule.adaptive`` a stage may end
+before mu updates when a drift guard trips (:mod:`mugrpo.adaptive`); the run always ends after
+``total_updates``.
 
 What lives elsewhere: the math (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`,
 :mod:`mugrpo.advantages`), the schedule arithmetic (:mod:`mugrpo.plan`), persistence of stage
@@ -24,6 +26,7 @@ from mugrpo import checkpoint as ckpt
 from mugrpo import data as data_files
 from mugrpo import distributed as dist
 from mugrpo import seeds
+from mugrpo.adaptive import end_reason, stage_length
 from mugrpo.advantages import group_advantages, zero_variance_groups
 from mugrpo.batching import micro_batches, sequences_to_train
 from mugrpo.checkpoint import RunState
@@ -116,13 +119,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         # the optimisation phase (taken off perf/optimize_s).
         ckpt_s, ckpt_in_opt_s = 0.0, 0.0
         evaluator.maybe_run(state)  # the initial policy (eval.at_start)
-        while state.stage < plan.num_stages:
+        while state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             stage_dir = data_files.stage_dir(run_dir, state.stage)
             data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
                                                          cfg, plan, world, progress, stopper)
             t_opt = time.perf_counter()
-            bar = progress.bar(plan.updates_per_stage, f"stage {state.stage} optimise", initial=state.update_in_stage)
-            while state.update_in_stage < plan.updates_per_stage:
+            max_length = stage_length(plan.updates_per_stage, plan.total_updates, state.update - state.update_in_stage)
+            bar = progress.bar(max_length, f"stage {state.stage} optimise", initial=state.update_in_stage)
+            reason = None  # why the stage ends, decided after each update and before any checkpoint
+            while reason is None:
                 t_update = time.perf_counter()
                 metrics = optimizer_update(policy, optimizer, scheduler, data, state, cfg, plan, world, device,
                                            ref_model, resolved)
@@ -132,31 +137,33 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
                                 state.update_in_stage - 1})
                 if state.update_in_stage == 1:
                     stage_metrics["stage/engine_logprob_mismatch"] = metrics.get("loss/log_ratio_abs_mean")
+                reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, max_length)
                 logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
                 progress.update(bar, metrics)
                 maybe_die("update")
-                evaluator.maybe_run(state)
+                evaluator.maybe_run(state, stage_ends=reason is not None)
                 interrupted = stopper.requested
                 due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
-                if (due or interrupted) and state.update_in_stage < plan.updates_per_stage:
+                if (due or interrupted) and reason is None:  # a stage's end is checkpointed below
                     seconds = save()
                     ckpt_s += seconds
                     ckpt_in_opt_s += seconds
                 if interrupted:
                     break
             progress.close(bar)
-            if stopper.requested and state.update_in_stage < plan.updates_per_stage:
+            if reason is None:  # stopped mid-stage, checkpointed above
                 raise ckpt.Interrupted(run_dir)
+            stage_metrics.update(_stage_end_metrics(reason, state, data, plan, world))
             stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt - evaluator.in_loop_s - ckpt_in_opt_s
             stage_metrics["perf/eval_s"] = evaluator.finish_stage(state)
             stage_metrics["perf/checkpoint_s"] = ckpt_s
-            logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=plan.updates_per_stage))
+            logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=state.update_in_stage))
             if world.is_main:
                 progress.stage_summary(state.stage, stage_metrics)
             state.stage += 1
             state.update_in_stage = 0
             ckpt_s, ckpt_in_opt_s = save(), 0.0
-            if stopper.requested and state.stage < plan.num_stages:
+            if stopper.requested and state.update < plan.total_updates:
                 raise ckpt.Interrupted(run_dir)
         if state.update and state.num_skipped_updates >= state.update:
             raise TrainingError(f"all {state.update} updates of this run were skipped for a non-finite loss or "
@@ -179,6 +186,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         if failed_new_run and ckpt.discard_failed_start(run_dir, keep_dir=existed):
             print(f"[mugrpo] removed what this run wrote in {run_dir}: it failed before writing anything to resume "
                   "from, so the corrected command can be run again")
+
+
+def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan, world) -> dict:
+    """How the stage ended (:mod:`mugrpo.adaptive`) and how much of its data the updates drew:
+    ``stage/passes_used`` = prompt groups drawn / groups in the stage (below 1: some never used)."""
+    num_groups = float(dist.sum_over_ranks(torch.tensor([float(data.num_groups)]))[0])
+    return {"stage/end_reason": reason, "stage/ended_early": float(reason in ("kl", "neg_ratio")),
+            "stage/num_updates": state.update_in_stage,
+            "stage/passes_used": state.update_in_stage * plan.prompts_per_update / max(num_groups, 1.0)}
 
 
 def _layout_notes(policy, cfg: Config) -> list[str]:

@@ -216,3 +216,19 @@ def test_two_process_run_learns_exports_one_hf_folder_and_resumes(two_rank_run, 
     uninterrupted, again = _weights(two_rank_run), _weights(resumed)
     for name, value in uninterrupted.items():
         torch.testing.assert_close(again[name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_two_ranks_take_the_same_adaptive_stage_decisions(tiny_model, tmp_path):
+    # The guard reads the update's metrics after their all-reduce, so both ranks end each stage at the
+    # same update (a rank that went on alone would block in the next collective until the timeout).
+    # kl_max 1e-12 trips at every update from the second on; min 3 updates: stages of 3, 3 and 2 (budget).
+    run = tmp_path / "run"
+    _mugrpo(2, ["--run-dir", str(run), f"model.name={tiny_model}", *COMMON, "schedule.total_updates=8",
+                "schedule.num_stages=1", "schedule.adaptive=kl", "schedule.adaptive_kl_max=1e-12",
+                "schedule.adaptive_min_updates=3", "train.save_final_model=false"])
+    stages = _records(run, "stage")
+    assert [(s["stage/num_updates"], s["stage/end_reason"]) for s in stages] == [(3, "kl"), (3, "kl"), (2, "budget")]
+    assert [r["update"] for r in _records(run, "update")] == list(range(1, 9))
+    # Both ranks' shards counted: 64 prompt groups per stage (mu 8 x 8), 3 x 8 of them drawn.
+    assert stages[0]["stage/passes_used"] == 24 / 64

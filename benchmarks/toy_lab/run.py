@@ -11,7 +11,10 @@ stale ones share the same mu):
 - ``presets``: grpo (mu = 4), grpo-stale, grpo-stale-relaxed, m2po, mu-grpo;
 - ``scopes``:  mu-grpo with the veto scope trigger / sequence / suffix_nontrigger (suffix is mu-grpo
   itself, none is grpo-stale-relaxed);
-- ``delta``:   mu-grpo with other ``loss.veto_delta`` values (1e-4 is mu-grpo itself).
+- ``delta``:   mu-grpo with other ``loss.veto_delta`` values (1e-4 is mu-grpo itself);
+- ``adaptive``: mu-grpo with adaptive stages (``schedule.adaptive=kl``): mu is the longest stage, a
+  stage ends once the KL guard trips, never before grpo's mu updates (not in the default groups;
+  ``--groups presets,adaptive --out benchmarks/results/toy_lab_adaptive.json``).
 
 Each run is ``mugrpo.trainer.train`` with a config built by ``load_config(preset, overrides=...)``.
 The only addition is an evaluation of the *current* policy every ``--eval-every`` updates on a fixed
@@ -48,6 +51,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 PRESETS = ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo")
 SCOPES = ("trigger", "sequence", "suffix_nontrigger")
 DELTAS = (0.5, 1e-1, 1e-2, 1e-3, 1e-6)
+ADAPTIVE_KL = (0.01, 0.03)
+"""``schedule.adaptive_kl_max`` values of the ``adaptive`` group (grpo's in-stage KL stays below ~0.01)."""
 
 
 @dataclass
@@ -81,6 +86,9 @@ def experiments(groups: list[str]) -> list[tuple[str, str, str, list[str]]]:
         out += [("scopes", f"veto={s}", "mu-grpo", [f"loss.veto_scope={s}"]) for s in SCOPES]
     if "delta" in groups:
         out += [("delta", f"delta={d:g}", "mu-grpo", [f"loss.veto_delta={d}"]) for d in DELTAS]
+    if "adaptive" in groups:
+        out += [("adaptive", f"adaptive-kl={k:g}", "mu-grpo", ["schedule.adaptive=kl", f"schedule.adaptive_kl_max={k}",
+                 "schedule.adaptive_min_updates=4"]) for k in ADAPTIVE_KL]
     return out
 
 
@@ -135,7 +143,8 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
         "eval": [{**p, "time_s": time_of.get(p["update"], 0.0)} for p in evaluator.points],
         "updates": [{"update": r["update"], **{k: r.get(k) for k in UPDATE_KEYS if k in r}} for r in updates],
         "stages": [{"stage": r["stage"], "update": r["update"], "reward": r.get("reward/mean"),
-                    **{k: r.get(k) for k in ("perf/generate_s", "perf/optimize_s", "perf/sync_s")}}
+                    **{k: r.get(k) for k in ("perf/generate_s", "perf/optimize_s", "perf/sync_s", "stage/num_updates",
+                                             "stage/end_reason")}}
                    for r in stages],
     }
 
@@ -170,6 +179,7 @@ def summarise(runs: list[dict]) -> dict:
                      "initial_pass1": rs[0]["eval"][0]["pass1"], "final_pass1": stat(finals),
                      "peak_pass1": stat(peaks), "drop_from_peak": stat([p - f for p, f in zip(peaks, finals)]),
                      "late_ratio_mean_neg": stat(neg), "veto_token_frac_mean": stat(veto),
+                     "num_stages": stat([len(r["stages"]) for r in rs]),
                      "train_s": stat([r["train_s"] for r in rs])}
     return out
 
@@ -195,7 +205,7 @@ def machine() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--groups", default="presets,scopes,delta", help="comma list of presets, scopes, delta")
+    ap.add_argument("--groups", default="presets,scopes,delta", help="comma list of presets, scopes, delta, adaptive")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--only", nargs="*", help="run only these experiment names (e.g. grpo mu-grpo)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 seed, grpo + mu-grpo, 16 updates")
