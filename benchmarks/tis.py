@@ -1,0 +1,118 @@
+"""Engine-vs-trainer log-prob mismatch on the SmolLM default job (vLLM bf16), TIS off and on.
+
+Two shortened default jobs from the same seed, one with ``loss.behavior_logprobs=engine`` (the
+paper's default: the ratio against vLLM's stored log-probs) and one with ``=trainer`` (the trainer
+recomputes them, ratio against those, TIS weight min(pi_trainer / pi_engine, C)). Per stage it
+reports what the loss sees at the stage's first update (the ratio should be 1: same weights), the
+stage-level mismatch metrics of the ``trainer`` run, and, for the ``engine`` run, the same mismatch
+metrics computed afterwards over its stage-0 data with the initial model (the stage-0 behaviour
+weights, in the trainer's precision), so both runs have a whole-stage number. Results, with the
+CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md section "TIS" reads them.
+
+    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis            # ~15 min on 2 busy cores
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.tis --summarize     # re-read the two run dirs
+
+The job is shortened (``schedule.total_updates=8 schedule.num_stages=2``, evaluation off, no final
+model): the mismatch is a per-token property of the two forwards and does not depend on run length.
+Benchmarks report; they never assert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "tis.json"
+WORK = ROOT / "benchmarks" / "cache" / "tis"
+SHORT = ["rollout.engine=vllm", "rollout.dtype=bfloat16", "schedule.total_updates=8", "schedule.num_stages=2",
+         "eval.every_stages=0", "eval.at_start=false", "train.save_final_model=false", "train.progress=false"]
+MODES = ("engine", "trainer")
+FIRST_UPDATE_KEYS = ("loss/log_ratio_abs_mean", "loss/kl_behavior", "loss/ratio_mean", "loss/clip_frac_low",
+                     "loss/clip_frac_high", "loss/trigger_frac", "loss/veto_token_frac", "loss/policy")
+
+
+def run_job(mode: str, extra: list[str]) -> float:
+    run_dir = WORK / mode
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir), *SHORT,
+           f"loss.behavior_logprobs={mode}", *extra]
+    print("[tis]", " ".join(cmd), flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    t = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, cwd=ROOT)
+    return time.perf_counter() - t
+
+
+def offline_mismatch(run_dir: Path) -> dict:
+    """The engine run's stage 0: recompute its behaviour log-probs with the initial model, as the
+    ``trainer`` mode would have at that stage's start, and take the same metrics."""
+    from mugrpo import tis
+    from mugrpo.checkpoint import resume_config
+    from mugrpo.data import StageData, stage_dir
+    from mugrpo.distributed import World
+    from mugrpo.hardware import detect, resolve
+    from mugrpo.models import load_policy, resolve_model_path
+
+    cfg = resume_config(run_dir, [])
+    policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
+    resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
+    data = StageData.load(stage_dir(run_dir, 0) / "rollouts_rank0.safetensors")
+    t = time.perf_counter()
+    data = tis.recompute_trainer_logprobs(policy, data, cfg, World(), torch.device("cpu"),
+                                          resolved.autocast == "bf16")
+    seconds = time.perf_counter() - t
+    trainer_cfg = cfg
+    trainer_cfg.loss.behavior_logprobs = "trainer"
+    return {**tis.stage_metrics(data, trainer_cfg, World(), stage_dir(run_dir, 0)), "perf/recompute_s": seconds,
+            "trainer_precision": resolved.autocast}
+
+
+def summarize(seconds: dict) -> dict:
+    from mugrpo.hardware import detect
+    from mugrpo.loggers import read_metrics
+
+    hw = detect()
+    out = {"machine": {"cpu_capability": hw.cpu_capability, "native_bf16": hw.native_bf16, "cpus": os.cpu_count(),
+                       "torch": torch.__version__, "loadavg": os.getloadavg()},
+           "command": "PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis", "overrides": SHORT, "runs": {}}
+    for mode in MODES:
+        records = read_metrics(WORK / mode / "metrics.jsonl")
+        stages = {}
+        for r in records:
+            if r["kind"] == "update" and r["update_in_stage"] == 0:
+                stages.setdefault(r["stage"], {})["first_update"] = {k: r.get(k) for k in FIRST_UPDATE_KEYS}
+            if r["kind"] == "stage":
+                stages.setdefault(r["stage"], {})["stage"] = {k: v for k, v in r.items() if k.startswith(
+                    ("stage/", "reward/mean", "perf/recompute_s", "perf/generate_s", "perf/optimize_s"))}
+        out["runs"][mode] = {"wall_s": seconds.get(mode), "stages": stages}
+    out["runs"]["engine"]["stage0_offline_recompute"] = offline_mismatch(WORK / "engine")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--summarize", action="store_true", help="only re-read the two finished run dirs")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
+    args = parser.parse_args()
+    seconds = {}
+    if not args.summarize:
+        for mode in MODES:
+            seconds[mode] = run_job(mode, args.overrides)
+    result = summarize(seconds)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
