@@ -161,3 +161,30 @@ def test_killed_and_resumed_tis_run_is_bitwise_identical(tmp_path, tiny_model_di
     assert len(losses[0]) == 8 and losses[0] == losses[1]
     resumed_stage = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "stage"][-1]
     assert resumed_stage["stage/resumed"] == 1.0 and "stage/tis_weight_mean" in resumed_stage
+
+
+@pytest.mark.distributed
+def test_two_rank_recompute_under_fsdp2_matches_the_engine_and_one_process(tiny_model_dir, tmp_path):
+    # 2 ranks with FSDP2: each recomputes its own shard; with at most 4 sequences per micro-batch and
+    # the zero-advantage skip, the ranks hold different numbers of forwards (filler passes run). The
+    # fp32 HF engine computed the same log-probs, so each shard's trainer log-probs equal its engine
+    # log-probs up to rounding. Then ONE process resumes from the start on both shards (it
+    # regenerates nothing) and must make the same 4 updates (tolerance as in test_distributed.py).
+    from test_distributed import COMMON, _mugrpo, _records, _resume_copy
+
+    run = tmp_path / "two"
+    _mugrpo(2, ["--run-dir", str(run), f"model.name={tiny_model_dir}", *COMMON, "schedule.total_updates=4",
+                "schedule.num_stages=2", "schedule.micro_batch_size=4", "loss.behavior_logprobs=trainer"])
+    for stage in ("stage_000", "stage_001"):
+        for rank in (0, 1):
+            shard = load_file(str(run / "stages" / stage / f"rollouts_rank{rank}.safetensors"))
+            torch.testing.assert_close(shard["trainer_logprobs"], shard["behavior_logprobs"], rtol=0, atol=1e-5)
+    stages = _records(run, "stage")
+    assert all(r["stage/engine_trainer_log_ratio_abs_mean"] < 1e-5 for r in stages)
+    one = _resume_copy(run, tmp_path / "one", None)
+    _mugrpo(1, ["--resume", str(one)])
+    for a, b in zip(_records(run, "update"), _records(one, "update"), strict=True):
+        for key in ("loss/policy", "optim/grad_norm", "loss/ratio_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["update"], key)
+    assert [r["stage/tis_weight_mean"] for r in _records(one, "stage")] == [r["stage/tis_weight_mean"]
+                                                                             for r in stages]
