@@ -11,6 +11,7 @@ CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md sectio
 
     PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis            # ~15 min on 2 busy cores
     PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.tis --summarize     # re-read the two run dirs
+    (``--modes engine`` / ``--modes trainer`` make one run each, e.g. concurrently)
 
 The job is shortened (``schedule.total_updates=8 schedule.num_stages=2``, evaluation off, no final
 model): the mismatch is a per-token property of the two forwards and does not depend on run length.
@@ -94,7 +95,7 @@ def summarize(seconds: dict) -> dict:
             if r["kind"] == "stage":
                 stages.setdefault(r["stage"], {})["stage"] = {k: v for k, v in r.items() if k.startswith(
                     ("stage/", "reward/mean", "perf/recompute_s", "perf/generate_s", "perf/optimize_s"))}
-        out["runs"][mode] = {"wall_s": seconds.get(mode), "stages": stages}
+        out["runs"][mode] = {"wall_s": seconds.get(mode, records[-1]["time_s"]), "stages": stages}
     out["runs"]["engine"]["stage0_offline_recompute"] = offline_mismatch(WORK / "engine")
     return out
 
@@ -102,12 +103,16 @@ def summarize(seconds: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--summarize", action="store_true", help="only re-read the two finished run dirs")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="which runs to make (then --summarize once both are done)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     args = parser.parse_args()
     seconds = {}
     if not args.summarize:
-        for mode in MODES:
+        for mode in args.modes:
             seconds[mode] = run_job(mode, args.overrides)
+        if set(args.modes) != set(MODES):
+            return
     result = summarize(seconds)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
