@@ -78,6 +78,23 @@ def offline_mismatch(run_dir: Path) -> dict:
             "trainer_precision": resolved.autocast}
 
 
+def stored_mismatch(run_dir: Path) -> dict:
+    """The ``trainer`` run's mismatch metrics per stage, from the trainer log-probs stored in its shards
+    (the same numbers as its stage lines; available as soon as a stage is generated)."""
+    from mugrpo import tis
+    from mugrpo.checkpoint import resume_config
+    from mugrpo.data import SHARDS_FILE, StageData, shard_path
+    from mugrpo.distributed import World
+
+    cfg = resume_config(run_dir, [])
+    out = {}
+    for folder in sorted((run_dir / "stages").glob("stage_*")):
+        if (folder / SHARDS_FILE).is_file():
+            data = StageData.load(shard_path(folder, 0))
+            out[int(folder.name.split("_")[1])] = tis.stage_metrics(data, cfg, World(), folder)
+    return out
+
+
 def summarize(seconds: dict) -> dict:
     from mugrpo.hardware import detect
     from mugrpo.loggers import read_metrics
@@ -96,6 +113,7 @@ def summarize(seconds: dict) -> dict:
                 stages.setdefault(r["stage"], {})["stage"] = {k: v for k, v in r.items() if k.startswith(
                     ("stage/", "reward/mean", "perf/recompute_s", "perf/generate_s", "perf/optimize_s"))}
         out["runs"][mode] = {"wall_s": seconds.get(mode, records[-1]["time_s"]), "stages": stages}
+    out["runs"]["trainer"]["stored_mismatch"] = stored_mismatch(WORK / "trainer")
     out["runs"]["engine"]["stage0_offline_recompute"] = offline_mismatch(WORK / "engine")
     return out
 

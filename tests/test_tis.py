@@ -38,6 +38,28 @@ def test_mismatch_sums_by_hand():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_uncapped_unclipped_tis_loss_equals_the_engine_ratio_loss():
+    # w * rho = (pi_old / pi_engine) * (pi_theta / pi_old) = pi_theta / pi_engine: where no clip bound
+    # binds and no weight is capped, the TIS loss and its gradient are the default (engine) loss's.
+    # They part only where a bound binds on one ratio and not the other, where w > C, or at the veto.
+    from mugrpo.losses import LossSettings, policy_loss
+
+    gen = torch.Generator().manual_seed(0)
+    engine = -torch.rand(3, 5, generator=gen) * 3
+    trainer = engine + (torch.rand(3, 5, generator=gen) - 0.5) * 0.2  # |mismatch| < 0.1 < ln 2
+    theta = trainer + (torch.rand(3, 5, generator=gen) - 0.5) * 0.2  # rho within [0.8, 1.2]: no bound binds
+    adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.ones(3, 5, dtype=torch.bool)
+    settings = LossSettings.from_config(LossConfig(clip_eps_low=0.3, clip_eps_high=0.3), 1)
+    x1, x2 = theta.clone().requires_grad_(True), theta.clone().requires_grad_(True)
+    plain, _ = policy_loss(x1, engine, adv, mask, settings, denominator=15.0)
+    weighted, _ = policy_loss(x2, trainer, adv, mask, settings, denominator=15.0,
+                              is_weights=tis.tis_weights(trainer, engine, 2.0))
+    plain.backward()
+    weighted.backward()
+    torch.testing.assert_close(weighted, plain)
+    torch.testing.assert_close(x2.grad, x1.grad)
+
+
 def _stage(trainer: bool = True) -> StageData:
     # 2 groups of G = 2; trainer log-probs = engine log-probs + 0.1 (d = 0.1 everywhere), sequence 1 has A = 0.
     behavior = [[-1.0, -2.0], [-0.5], [-3.0, -0.25, -1.0], [-2.0]]
