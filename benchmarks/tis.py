@@ -9,9 +9,14 @@ metrics computed afterwards over its stage-0 data with the initial model (the st
 weights, in the trainer's precision), so both runs have a whole-stage number. Results, with the
 CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md section "TIS" reads them.
 
-    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis            # ~15 min on 2 busy cores
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.tis --summarize     # re-read the two run dirs
-    (``--modes engine`` / ``--modes trainer`` make one run each, e.g. concurrently)
+    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis            # both runs, then the summary
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.tis --summarize [--offline]  # re-read the run dirs
+    (``--modes engine`` / ``--modes trainer`` make one run each; a killed run resumes with
+    ``mugrpo train --resume benchmarks/cache/tis/MODE``)
+
+On 2 cores shared with other jobs (load ~17) a run took 25-40 min. Two vLLM runs at once need about
+7 GB of memory each: on a 24 GB machine shared with others they were OOM-killed, so run them one
+after the other.
 
 The job is shortened (``schedule.total_updates=8 schedule.num_stages=2``, evaluation off, no final
 model): the mismatch is a per-token property of the two forwards and does not depend on run length.
@@ -78,6 +83,42 @@ def offline_mismatch(run_dir: Path) -> dict:
             "trainer_precision": resolved.autocast}
 
 
+def layout_sensitivity(run_dir: Path, num_groups: int = 8) -> dict:
+    """Mean |log-prob difference| of the trainer's own forward between two micro-batch layouts of the
+    same sequences and weights (shared-prefix rows packed to 1024 tokens vs one sequence per
+    micro-batch), in bf16 autocast and in float32: why a stage's first update sees |log rho| > 0
+    even against the trainer's own recompute."""
+    from mugrpo.batching import micro_batches, sequences_to_train
+    from mugrpo.checkpoint import resume_config
+    from mugrpo.data import StageData, collate, stage_dir
+    from mugrpo.forward import response_logprobs, shared_prefix_support
+    from mugrpo.models import load_policy, resolve_model_path
+
+    cfg = resume_config(run_dir, [])
+    policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
+    data = StageData.load(stage_dir(run_dir, 0) / "rollouts_rank0.safetensors")
+    seqs = sequences_to_train(data, list(range(num_groups * data.group_size)), True)
+    _, mask_dtype, _ = shared_prefix_support(policy)
+    out = {"num_sequences": len(seqs)}
+    for name, autocast in (("bf16", True), ("float32", False)):
+        packed = {}
+        with torch.no_grad():
+            for mb in micro_batches(data, seqs, shared=True, budget=1024, max_seqs=None, pad_id=0,
+                                    mask_dtype=mask_dtype):
+                lp, _ = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, False, False)
+                for row in range(lp.shape[0]):  # identify each row by its response tokens
+                    n = int(mb.response_mask[row].sum())
+                    packed[tuple(mb.response_ids[row, :n].tolist())] = lp[row, :n]
+            diffs = []
+            for s in seqs:
+                lp, _ = response_logprobs(policy, collate(data, [s], 0), cfg.rollout.temperature, autocast, False,
+                                          False)
+                diffs.append((lp[0] - packed[tuple(data.responses[s])]).abs())
+        out[f"{name}_abs_diff_mean"] = float(torch.cat(diffs).mean())
+        out[f"{name}_abs_diff_max"] = float(torch.cat(diffs).max())
+    return out
+
+
 def stored_mismatch(run_dir: Path) -> dict:
     """The ``trainer`` run's mismatch metrics per stage, from the trainer log-probs stored in its shards
     (the same numbers as its stage lines; available as soon as a stage is generated)."""
@@ -114,13 +155,22 @@ def summarize(seconds: dict) -> dict:
                     ("stage/", "reward/mean", "perf/recompute_s", "perf/generate_s", "perf/optimize_s"))}
         out["runs"][mode] = {"wall_s": seconds.get(mode, records[-1]["time_s"]), "stages": stages}
     out["runs"]["trainer"]["stored_mismatch"] = stored_mismatch(WORK / "trainer")
-    out["runs"]["engine"]["stage0_offline_recompute"] = offline_mismatch(WORK / "engine")
+    return out
+
+
+def offline(previous: dict) -> dict:
+    """The two analyses that run SmolLM forwards again (minutes on a busy machine)."""
+    out = dict(previous)
+    out["engine_stage0_offline_recompute"] = offline_mismatch(WORK / "engine")
+    out["trainer_forward_layout_sensitivity"] = layout_sensitivity(WORK / "trainer")
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--summarize", action="store_true", help="only re-read the two finished run dirs")
+    parser.add_argument("--offline", action="store_true", help="with --summarize: also (re)compute the offline "
+                        "analyses (engine stage-0 recompute, layout sensitivity); otherwise kept from tis.json")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="which runs to make (then --summarize once both are done)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
@@ -132,6 +182,8 @@ def main() -> None:
         if set(args.modes) != set(MODES):
             return
     result = summarize(seconds)
+    previous = json.loads(RESULTS.read_text()).get("offline", {}) if RESULTS.is_file() else {}
+    result["offline"] = offline(previous) if args.offline or not args.summarize else previous
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
