@@ -7,8 +7,9 @@ behaviour log-probs. ``grpo`` is this loop with mu = 4.
 
 What lives elsewhere: the math (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`,
 :mod:`mugrpo.advantages`), the schedule arithmetic (:mod:`mugrpo.plan`), persistence of stage
-data (:mod:`mugrpo.data`), checkpoints (:mod:`mugrpo.checkpoint`), engines
-(:mod:`mugrpo.engines`), and multi-process concerns (:mod:`mugrpo.distributed`).
+data (:mod:`mugrpo.data`), the optional trainer-side behaviour log-probs with TIS
+(:mod:`mugrpo.tis`), checkpoints (:mod:`mugrpo.checkpoint`), engines (:mod:`mugrpo.engines`), and
+multi-process concerns (:mod:`mugrpo.distributed`).
 """
 
 from __future__ import annotations
