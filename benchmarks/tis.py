@@ -83,7 +83,7 @@ def offline_mismatch(run_dir: Path) -> dict:
             "trainer_precision": resolved.autocast}
 
 
-def layout_sensitivity(run_dir: Path, num_groups: int = 8) -> dict:
+def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
     """Mean |log-prob difference| of the trainer's own forward between two micro-batch layouts of the
     same sequences and weights (shared-prefix rows packed to 1024 tokens vs one sequence per
     micro-batch), in bf16 autocast and in float32: why a stage's first update sees |log rho| > 0
