@@ -191,6 +191,7 @@ VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
 VETO_NORMALIZERS = ("pre_veto", "post_veto")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
+BEHAVIOR_LOGPROBS = ("engine", "trainer")
 """The accepted values of the loss section, defined once: the fields below are typed by them and the
 loss module (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`) checks against them."""
 
@@ -230,6 +231,15 @@ class LossConfig:
     adv_eps: float = 1e-6
     drop_zero_var_groups: bool = False
     """Drop groups whose rewards are all equal from the stage dataset (DAPO dynamic sampling)."""
+    behavior_logprobs: Literal[BEHAVIOR_LOGPROBS] = "engine"
+    """The ratio's denominator. ``engine`` (the paper's): the log-probs the rollout engine stored
+    while sampling. ``trainer``: at stage start the trainer recomputes them with its own no-grad
+    forward of the behaviour weights (stored with the stage data), the ratio is taken against those,
+    and each token's surrogate is multiplied by the truncated importance weight
+    min(pi_trainer / pi_engine, ``tis_cap``) (TIS; verl, TRL). The veto sees the trainer ratio. Costs
+    one no-grad forward over the stage's trained sequences. See docs/ALGORITHM.md section 5b."""
+    tis_cap: float = 2.0
+    """C of ``behavior_logprobs=trainer``: the engine-vs-trainer weight is capped at C (> 0)."""
 
     def describe(self) -> str:
         """The clip range and ratio level in words (for the printed plan)."""
@@ -587,6 +597,8 @@ def validate(cfg: Config) -> None:
         _check(loss.dual_clip_c > 1, "loss.dual_clip_c", "> 1 or null", loss.dual_clip_c)
     _check(loss.kl_beta >= 0, "loss.kl_beta", ">= 0", loss.kl_beta)
     _check(loss.adv_eps > 0, "loss.adv_eps", "> 0", loss.adv_eps)
+    _check(0 < loss.tis_cap < math.inf, "loss.tis_cap", "a finite number > 0 (the TIS weight's cap C, e.g. 2)",
+           loss.tis_cap)
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     for key in ("beta1", "beta2"):
         _check(0 <= getattr(o, key) < 1, f"optim.{key}", "in [0, 1)", getattr(o, key))

@@ -9,8 +9,9 @@ before mu updates when a drift guard trips (:mod:`mugrpo.adaptive`); the run alw
 
 What lives elsewhere: the math (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`,
 :mod:`mugrpo.advantages`), the schedule arithmetic (:mod:`mugrpo.plan`), persistence of stage
-data (:mod:`mugrpo.data`), checkpoints (:mod:`mugrpo.checkpoint`), engines
-(:mod:`mugrpo.engines`), and multi-process concerns (:mod:`mugrpo.distributed`).
+data (:mod:`mugrpo.data`), the optional trainer-side behaviour log-probs with TIS
+(:mod:`mugrpo.tis`), checkpoints (:mod:`mugrpo.checkpoint`), engines (:mod:`mugrpo.engines`), and
+multi-process concerns (:mod:`mugrpo.distributed`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from mugrpo import checkpoint as ckpt
 from mugrpo import data as data_files
 from mugrpo import distributed as dist
-from mugrpo import seeds
+from mugrpo import seeds, tis
 from mugrpo.adaptive import end_reason, stage_length
 from mugrpo.advantages import group_advantages, zero_variance_groups
 from mugrpo.batching import micro_batches, sequences_to_train
@@ -122,7 +123,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         while state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             stage_dir = data_files.stage_dir(run_dir, state.stage)
             data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
-                                                         cfg, plan, world, progress, stopper)
+                                                         cfg, plan, world, progress, stopper, resolved)
             t_opt = time.perf_counter()
             max_length = stage_length(plan.updates_per_stage, plan.total_updates, state.update - state.update_in_stage)
             bar = progress.bar(max_length, f"stage {state.stage} optimise", initial=state.update_in_stage)
@@ -135,8 +136,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
                 state.update_in_stage += 1
                 metrics.update({"perf/update_s": time.perf_counter() - t_update, "stage/staleness":
                                 state.update_in_stage - 1})
-                if state.update_in_stage == 1:
-                    stage_metrics["stage/engine_logprob_mismatch"] = metrics.get("loss/log_ratio_abs_mean")
+                if state.update_in_stage == 1:  # with trainer log-probs: set at stage start (mugrpo.tis)
+                    stage_metrics.setdefault("stage/engine_logprob_mismatch", metrics.get("loss/log_ratio_abs_mean"))
                 reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, max_length)
                 logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
                 progress.update(bar, metrics)
@@ -240,11 +241,14 @@ def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
 
 
 def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, task, tokenizer, cfg: Config,
-                           plan: Plan, world, progress, stopper=None) -> tuple[StageData, dict]:
-    """The stage's data: read back if persisted (resume), else sync -> generate -> score -> persist."""
+                           plan: Plan, world, progress, stopper=None, resolved: Resolved | None = None
+                           ) -> tuple[StageData, dict]:
+    """The stage's data: read back if persisted (resume), else sync -> generate -> score -> [recompute
+    the behaviour log-probs with the trainer (``loss.behavior_logprobs=trainer``)] -> persist."""
     data = dist.load_stage_shards(stage_dir, world)
     if data is not None:
-        return data, {"stage/resumed": 1.0, **_stage_stats(data, world)}
+        return data, {"stage/resumed": 1.0, **_stage_stats(data, world), **tis.stage_metrics(data, cfg, world,
+                                                                                              stage_dir)}
     indices, prompts = _stage_prompts(state, task, tokenizer, cfg, plan, world)
     r = cfg.rollout
     t0 = time.perf_counter()
@@ -281,6 +285,12 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         data = data.subset([g for g in range(data.num_groups) if not zero_var[g]])
     stats["stage/num_groups_trained"] = data.num_groups
     t_score = time.perf_counter()
+    if cfg.loss.behavior_logprobs == "trainer":
+        resolved = resolved or resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect())
+        data = tis.recompute_trainer_logprobs(policy, data, cfg, world, dist.train_device(world),
+                                              resolved.autocast == "bf16")
+        stats.update(tis.stage_metrics(data, cfg, world, stage_dir))
+        stats["perf/recompute_s"] = time.perf_counter() - t_score
     dist.save_stage_shard(data, stage_dir, world)
     if cfg.train.save_stage_text:
         write_stage_text(data_files.text_path(stage_dir, world.rank, world.size), data, tokenizer, task.items)
@@ -377,8 +387,10 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
             if ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs, _ = response_logprobs(ref_model, mb, cfg.rollout.temperature, autocast, False, False)
-            loss, metrics = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, settings,
-                                        denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy)
+            old_logprobs, is_weights = tis.ratio_inputs(mb, lc)
+            loss, metrics = policy_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask, settings,
+                                        denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy,
+                                        is_weights=is_weights)
             if poison:
                 loss = loss * float("nan")
             if i >= real:  # a filler pass: the collectives run, nothing is added
@@ -470,7 +482,7 @@ def _kept_after_veto(policy, batches, real: int, cfg: Config, autocast: bool, to
         logprobs, _ = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, False, False)
         if i >= real:
             continue
-        veto = veto_mask(logprobs - mb.behavior_logprobs, mb.advantages, mb.response_mask,
+        veto = veto_mask(logprobs - tis.ratio_inputs(mb, cfg.loss)[0], mb.advantages, mb.response_mask,
                          delta=cfg.loss.veto_delta, scope=cfg.loss.veto_scope)
         keep = mb.response_mask & ~veto.vetoed
         kept += float(keep.sum()) if token_mean else float(keep.any(1).sum())
