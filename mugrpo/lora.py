@@ -172,3 +172,21 @@ def describe(model: torch.nn.Module) -> str:
     cfg = model._mugrpo_lora
     return (f"LoRA r={cfg.r} alpha={cfg.lora_alpha:g} on {len(lora_layers(model))} layers: {trainable:,} trainable "
             f"parameters ({100 * trainable / max(total, 1):.2f}% of the base model's {total:,})")
+
+
+def checkpoint_weights(model_path: str, lc, trained: dict[str, torch.Tensor], trust_remote_code: bool = False
+                       ) -> list[tuple[str, torch.Tensor]]:
+    """The plain model's weights for a checkpoint's ``model.safetensors`` (``trained``): as saved in full
+    fine-tuning, merged into the base model at ``model_path`` when the run used LoRA (config ``lc``)."""
+    if not lc.rank:
+        return list(trained.items())
+    from mugrpo.models import load_policy
+
+    model = apply_lora(load_policy(model_path, trust_remote_code), lc)
+    missing, unexpected = model.load_state_dict(trained, strict=False)
+    missing = [n for n in missing if _is_adapter_param(n)]
+    if missing or unexpected:
+        raise LoraError(f"the checkpoint's adapters do not fit lora={lc} on {model_path!r} (missing "
+                        f"{missing[:3]}, unexpected {unexpected[:3]}); evaluate it with the run's own config")
+    return list(merged_items(model, lambda t: t))
+
