@@ -291,8 +291,8 @@ class LoraConfig:
     rank: int = 0
     """r: rank of each adapter's B @ A update; 0 trains the full model (no LoRA)."""
     alpha: float = 32.0
-    """The update is scaled by alpha / rank. LoRA usually wants a larger ``optim.lr`` than full
-    fine-tuning (e.g. 1e-4 to 1e-3 instead of 2e-5)."""
+    """The update is scaled by alpha / rank. LoRA usually needs a larger ``optim.lr`` than full
+    fine-tuning (commonly about 10x)."""
     dropout: float = 0.0
     """Dropout on each adapter's input while training. Above 0 the trainer's log-probs are no longer
     the engine's at a stage's first update (the engine samples without dropout)."""

@@ -127,14 +127,16 @@ def merged_items(model: torch.nn.Module, full: Callable[[torch.Tensor], torch.Te
         tensor = full(param.detach())
         owner, _, leaf = name.rpartition(".base_layer.")
         if leaf == "weight" and owner in layers:
-            tensor = _merged_weight(layers[owner], tensor, full)
+            layer = layers[owner]
+            a = full(layer.lora_A[ADAPTER].weight.detach())  # gathered on every rank (a collective)
+            b = full(layer.lora_B[ADAPTER].weight.detach())
+            tensor = _merged_weight(layer, tensor, a, b) if keep else None
         yield base_name(name), tensor if keep else None
 
 
-def _merged_weight(layer, weight: torch.Tensor, full) -> torch.Tensor:
-    a = full(layer.lora_A[ADAPTER].weight.detach()).float()  # [r, in]
-    b = full(layer.lora_B[ADAPTER].weight.detach()).float()  # [out, r]
-    delta = (b @ a) * layer.scaling[ADAPTER]  # [out, in]
+def _merged_weight(layer, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """W + scaling * B @ A for A [r, in], B [out, r], in float32, returned in W's dtype."""
+    delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]  # [out, in]
     if getattr(layer, "fan_in_fan_out", False):  # GPT-2 style Conv1D stores [in, out]
         delta = delta.T
     return (weight.float() + delta).to(weight.dtype)
