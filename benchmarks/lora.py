@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning on SmolLM2-135M: seconds per optimizer update, peak memory, sync cost.
 
-    PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.lora     # ~5 min on 2 cores
+    PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.lora     # ~3 min on 2 quiet cores
 
 One command runs every variant, each in a fresh subprocess (so each peak resident set is its own),
 alternating full and LoRA, and writes ``benchmarks/results/lora.json`` with the CPU capability and
@@ -9,9 +9,9 @@ within this one run: the machine may be shared, so absolute seconds drift betwee
 
 Each variant: load the model, apply ``lora.*`` (or not), build the trainer's AdamW
 (:func:`mugrpo.trainer.build_optimizer`), then run ``--updates`` real optimizer updates
-(:func:`mugrpo.trainer.optimizer_update`) on one synthetic stage of 8 prompts x G = 8 responses
-(prompts of 96 tokens, about the default task's few-shot prompt; responses of 16-48 tokens; every
-advantage non-zero, so every sequence is trained). The first update allocates AdamW's state and is
+(:func:`mugrpo.trainer.optimizer_update`) on one synthetic stage of ``--prompts`` prompts x G = 8
+responses (prompts of 96 tokens, about the default task's few-shot prompt; responses of 16-48
+tokens; every advantage non-zero, so every sequence is trained). The first update allocates AdamW's state and is
 reported apart; ``s_per_update`` is the mean of the others. Also timed: one engine sync's worth of
 weights (``full_state_items``: the merged weights under LoRA) and one checkpoint's trained tensors.
 
@@ -42,11 +42,11 @@ def _status_kb(key: str) -> int:
     return 0
 
 
-def synthetic_stage(vocab: int, seed: int = 0):
+def synthetic_stage(vocab: int, P: int, seed: int = 0):
     from mugrpo.data import StageData
 
     gen = torch.Generator().manual_seed(seed)
-    P, G = 8, 8
+    G = 8
     prompts = [torch.randint(10, vocab, (96,), generator=gen).tolist() for _ in range(P)]
     lengths = torch.randint(16, 49, (P * G,), generator=gen).tolist()
     responses = [torch.randint(10, vocab, (n,), generator=gen).tolist() for n in lengths]
@@ -56,7 +56,7 @@ def synthetic_stage(vocab: int, seed: int = 0):
                      list(range(P)), G)
 
 
-def one_variant(overrides: list[str], updates: int) -> dict:
+def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     """Runs in the subprocess: everything measured for one configuration."""
     from mugrpo import distributed as dist
     from mugrpo import lora
@@ -68,7 +68,7 @@ def one_variant(overrides: list[str], updates: int) -> dict:
     from mugrpo.trainer import RunState, build_optimizer, optimizer_update
 
     cfg = load_config("mu-grpo", overrides=["schedule.total_updates=8", "schedule.num_stages=1",
-                                            "schedule.prompts_per_update=8", *overrides])
+                                            f"schedule.prompts_per_update={prompts}", *overrides])
     torch.manual_seed(0)
     policy = lora.apply_lora(load_policy(resolve_model_path(cfg.model.name)), cfg.lora)
     policy.train()
@@ -76,7 +76,7 @@ def one_variant(overrides: list[str], updates: int) -> dict:
     plan = make_plan(cfg)
     optimizer, scheduler = build_optimizer(policy, cfg, plan)
     resolved = resolve(cfg.train.autocast, "auto", "hf", detect())
-    data = synthetic_stage(policy.config.vocab_size)
+    data = synthetic_stage(policy.config.vocab_size, prompts)
     seconds = []
     for u in range(updates):
         t0 = time.perf_counter()
@@ -113,20 +113,22 @@ def machine() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--updates", type=int, default=4)
+    p.add_argument("--updates", type=int, default=3)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per update (x G = 8 responses)")
     p.add_argument("--autocast", default="none,bf16", help="comma list of train.autocast values")
     p.add_argument("--variant-json", help=argparse.SUPPRESS)  # internal: run one variant, print its JSON
     args = p.parse_args()
     if args.variant_json:
-        print("RESULT " + json.dumps(one_variant(json.loads(args.variant_json), args.updates)), flush=True)
+        print("RESULT " + json.dumps(one_variant(json.loads(args.variant_json), args.updates, args.prompts)), flush=True)
         return
-    out = {"machine": machine(), "what": "SmolLM2-135M-Instruct, mu-grpo loss, 64 sequences per update (8 prompts "
-           "of 96 tokens x 8 responses of 16-48 tokens, synthetic), AdamW, CPU", "runs": {}}
+    out = {"machine": machine(), "what": f"SmolLM2-135M-Instruct, mu-grpo loss, {args.prompts * 8} sequences per "
+           f"update ({args.prompts} prompts of 96 tokens x 8 responses of 16-48 tokens, synthetic), AdamW, CPU",
+           "command": " ".join(sys.argv), "runs": {}}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for autocast in args.autocast.split(","):
         for name, overrides in VARIANTS.items():
             spec = json.dumps([f"train.autocast={autocast}", *overrides])
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.lora", "--updates", str(args.updates),
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.lora", "--updates", str(args.updates), "--prompts", str(args.prompts),
                                    "--variant-json", spec], env=env, cwd=ROOT, capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:

@@ -62,7 +62,8 @@ def apply_lora(model: torch.nn.Module, lc) -> torch.nn.Module:
 
 
 def _check_targets(model: torch.nn.Module, targets) -> None:
-    """LoraError naming the model's linear layers when ``targets`` matches none of them.
+    """LoraError naming the model's linear layers when an entry of ``targets`` matches no module (a typo
+    in one name is an error, though peft itself only refuses a list that matches nothing).
 
     Matching is peft's rule: a target matches a module whose name equals it or ends with ``.target``.
     """
