@@ -326,6 +326,27 @@ class ParallelConfig:
     generation, so this must exceed the straggler gap of a stage's generation."""
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (:mod:`mugrpo.lora`); off while ``rank`` is 0."""
+
+    rank: int = 0
+    """r: rank of each adapter's B @ A update; 0 trains the full model (no LoRA)."""
+    alpha: float = 32.0
+    """The update is scaled by alpha / rank. LoRA usually needs a larger ``optim.lr`` than full
+    fine-tuning (commonly about 10x)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training. Above 0 the trainer's log-probs are no longer
+    the engine's at a stage's first update (the engine samples without dropout)."""
+    target_modules: list | str = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Names (or name suffixes) of the linear layers that get an adapter, or ``all-linear`` (every
+    linear layer but the LM head). The default is the attention and MLP projections of Llama, Qwen2
+    and Qwen3; a list that matches no layer of the model stops the run at start."""
+
+
 @dataclass
 class CheckpointConfig:
     every_updates: int = 0
@@ -389,6 +410,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -629,6 +651,7 @@ def validate(cfg: Config) -> None:
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
     _validate_eval_and_log(cfg)
+    _validate_lora(cfg.lora)
     make_plan(cfg)  # schedule consistency is the planner's job; called here so errors surface at start-up
 
 
@@ -684,6 +707,17 @@ def _validate_adaptive(s: ScheduleConfig) -> None:
     _check(0 < s.adaptive_neg_ratio_min <= 1, "schedule.adaptive_neg_ratio_min",
            "in (0, 1] (E[rho | A<0] starts at 1 and falls as the stage drifts)", s.adaptive_neg_ratio_min)
     _check(s.adaptive_min_updates >= 1, "schedule.adaptive_min_updates", "an integer >= 1", s.adaptive_min_updates)
+
+
+def _validate_lora(lc: LoraConfig) -> None:
+    _check(lc.rank >= 0, "lora.rank", "an integer >= 0 (0 = off)", lc.rank)
+    _check(0 < lc.alpha < math.inf, "lora.alpha", "a finite number > 0", lc.alpha)
+    _check(0 <= lc.dropout < 1, "lora.dropout", "in [0, 1)", lc.dropout)
+    targets = lc.target_modules
+    ok = targets == "all-linear" or (isinstance(targets, list) and targets
+                                     and all(isinstance(t, str) and t for t in targets))
+    _check(ok, "lora.target_modules", "a non-empty list of module names, e.g. [q_proj, v_proj], or 'all-linear'",
+           targets)
 
 
 def _validate_vllm(r: RolloutConfig) -> None:

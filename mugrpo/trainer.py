@@ -41,6 +41,7 @@ from mugrpo.forward import response_logprobs, shared_prefix_support
 from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.losses import LossSettings, finalize_metrics, policy_loss
 from mugrpo.loggers import NullLogger, make_logger
+from mugrpo import lora
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
@@ -77,7 +78,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
         model_path = dist.broadcast_object(model_path)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        policy = load_policy(model_path, cfg.model.trust_remote_code)
+        policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
         ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -199,10 +200,11 @@ def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan
 
 
 def _layout_notes(policy, cfg: Config) -> list[str]:
+    notes = [lora.describe(policy)] if lora.has_lora(policy) else []
     if not cfg.train.shared_prefix:
-        return []
+        return notes
     supported, _, reason = shared_prefix_support(policy)
-    return [] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"]
+    return notes + ([] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"])
 
 
 def _record(kind: str, state: RunState, t_start: float, metrics: dict, update_in_stage: int) -> dict:
