@@ -4,7 +4,7 @@
 
 One command runs every variant, each in a fresh subprocess (so each peak resident set is its own),
 alternating full and LoRA, and writes ``benchmarks/results/lora.json`` with the CPU capability and
-load average beside the numbers. docs/BENCHMARKS.md section 5 reads it. Compare the ratios taken
+load average beside the numbers. docs/BENCHMARKS.md section 6 reads it. Compare the ratios taken
 within this one run: the machine may be shared, so absolute seconds drift between runs.
 
 Each variant: load the model, apply ``lora.*`` (or not), build the trainer's AdamW
