@@ -138,6 +138,7 @@ def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: to
     segment = torch.full((B, L), -1, dtype=torch.long)  # 0: prompt, j >= 1: response j, -1: padding
     response_ids = torch.full((S, R), pad_id, dtype=torch.long)
     behavior = torch.zeros((S, R), dtype=torch.float32)
+    trainer = None if data.trainer_logprobs is None else torch.zeros((S, R), dtype=torch.float32)
     predict, token_seq, token_pos = [], [], []
     slot = 0
     for b, (g, row_seqs) in enumerate(rows):
@@ -159,12 +160,14 @@ def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: to
             token_pos += list(range(n))
             response_ids[slot, :n] = torch.tensor(response, dtype=torch.long)
             behavior[slot, :n] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
+            if trainer is not None:
+                trainer[slot, :n] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
             slot += 1
             start += n
     response_mask = torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]
     return SharedBatch(input_ids=input_ids, attention_mask=block_mask(segment, mask_dtype), position_ids=position_ids,
                        response_ids=response_ids, response_mask=response_mask, behavior_logprobs=behavior,
-                       advantages=data.advantages[torch.tensor(seqs, dtype=torch.long)],
+                       advantages=data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer,
                        predict_index=torch.tensor(predict, dtype=torch.long),
                        token_seq=torch.tensor(token_seq, dtype=torch.long),
                        token_pos=torch.tensor(token_pos, dtype=torch.long))

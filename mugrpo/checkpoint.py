@@ -7,9 +7,11 @@ Layout of a run directory::
     metrics.jsonl                  one line per update and per stage
     stages/stage_KKK/              the stage's data: shards, completion marker, readable jsonl
                                    (file names: mugrpo.data.stage_dir and below)
-    checkpoints/ckpt_UUUUUU/       model.safetensors, optimizer.pt, scheduler.pt, rng_rank{R}.pt,
+    checkpoints/ckpt_UUUUUU/       model.safetensors (the trained parameters: all of them, or the LoRA
+                                   adapters), optimizer.pt, scheduler.pt, rng_rank{R}.pt,
                                    trainer_state.json, config.yaml (the config it was trained with)
     final_model/                   HF folder: AutoModelForCausalLM.from_pretrained(...) loads it
+                                   (LoRA merged in); with LoRA also adapter/, a peft adapter folder
 
 A checkpoint is written into a temporary folder, fsynced, then renamed: a folder named ``ckpt_*``
 is always complete. The newest ``keep_last`` are kept. It holds the model, optimizer and LR
@@ -44,6 +46,7 @@ from safetensors.torch import save_file
 
 from mugrpo.errors import UserError
 from mugrpo import distributed as dist
+from mugrpo import lora
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
                            set_value, to_dict, validate)
 from mugrpo.data import SHARDS_FILE, atomic_write_text
@@ -126,6 +129,8 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = Tr
 
 
 LOCK_FILE = ".lock"
+ADAPTER_DIR = "adapter"
+"""final_model/adapter/: the LoRA adapter as a peft folder (LoRA runs only)."""
 
 
 def lock_run_dir(run_dir: Path, world):
@@ -280,9 +285,10 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
-    """Full weights on CPU; a collective under FSDP2. Ranks without ``keep`` only take part."""
-    return {name: t.cpu().contiguous() for name, t in dist.full_state_items(model, keep) if keep}
+def _full_state_dict(items) -> dict[str, torch.Tensor]:
+    """``items`` ((name, full tensor or None) pairs, a collective under FSDP2) on CPU; empty on ranks
+    that only take part (None tensors)."""
+    return {name: t.cpu().contiguous() for name, t in items if t is not None}
 
 
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
@@ -291,7 +297,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
     name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
     final = root / name
     # Collectives under FSDP2: every rank takes part, rank 0 keeps the gathered tensors.
-    model_sd = _full_state_dict(policy, keep=world.is_main)
+    model_sd = _full_state_dict(dist.trained_items(policy, keep=world.is_main))
     optim_sd = dist.full_optimizer_state(policy, optimizer, keep=world.is_main)
     tmp = root / f".tmp-{name}"
     if world.is_main:
@@ -404,8 +410,12 @@ def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
 
 
 def export_hf(policy, tokenizer, target: Path, world) -> None:
-    """Save the policy as one HF folder (full weights gathered under FSDP2), atomically."""
-    state_dict = _full_state_dict(policy, keep=world.is_main)
+    """Save the policy as one HF folder (full weights gathered under FSDP2), atomically.
+
+    With LoRA the folder holds the merged weights under the base model's names (a plain HF model)
+    and, in ``adapter/``, the adapter alone as a peft folder."""
+    state_dict = _full_state_dict(dist.full_state_items(policy, keep=world.is_main))
+    adapter = _full_state_dict(dist.adapter_items(policy, keep=world.is_main)) if lora.has_lora(policy) else None
     if not world.is_main:
         dist.barrier()
         return
@@ -414,6 +424,8 @@ def export_hf(policy, tokenizer, target: Path, world) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     policy.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    if adapter is not None:
+        lora.save_adapter(policy, adapter, tmp / ADAPTER_DIR)
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)

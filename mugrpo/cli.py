@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import sys
-import time
 from pathlib import Path
 
 from mugrpo.config import PRESETS, ConfigError, load_config
@@ -91,6 +90,7 @@ def _config_verb(args) -> int:
 
 
 def _train_verb(args) -> int:
+    from mugrpo.api import default_run_dir
     from mugrpo.checkpoint import Interrupted, resume_config
     from mugrpo.trainer import train
 
@@ -105,7 +105,7 @@ def _train_verb(args) -> int:
         cfg = resume_config(run_dir, args.overrides)
     else:
         cfg = _resolve(args)
-        run_dir = Path(args.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     try:
         final = train(cfg, run_dir, resume=bool(args.resume))
     except Interrupted as exc:

@@ -46,9 +46,10 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    kind: Literal["reasoning_gym", "math"] = "reasoning_gym"
+    kind: Literal["reasoning_gym", "math", "rows"] = "reasoning_gym"
     """``reasoning_gym``: a procedural generator scored by its own checker; ``math``: question/answer
-    rows from a local jsonl/json/parquet/csv file or a Hugging Face dataset, scored by math-verify."""
+    rows from a local jsonl/json/parquet/csv file or a Hugging Face dataset, scored by math-verify;
+    ``rows``: rows passed from Python (``mugrpo.train(train_dataset=...)``; set by it)."""
     name: str = "basic_arithmetic"
     """reasoning-gym generator name, or (kind=math) a local file path or a HF dataset name."""
     params: dict = field(
@@ -59,10 +60,13 @@ class TaskConfig:
     )
     """reasoning-gym generator config fields (difficulty). Replaced as a whole when set."""
     size: int = 10_000
-    """Number of training items generated (reasoning-gym). The default task has only ~240 distinct
-    questions, so held-out items overlap the training ones; use harder params for a clean split."""
+    """Number of training items generated (reasoning-gym); items repeat when the generator's pool of
+    questions is small (the default task has 242 distinct questions)."""
     eval_size: int = 200
-    """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split)."""
+    """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split). A held-out
+    question never occurs in training (compared by text, case and spacing aside): training items with a
+    held-out question are dropped, while training keeps two thirds of its distinct questions; a small
+    pool gets fewer held-out items (the default task: 80), with a note."""
     seed: int = 0
     split: str = "train"
     """HF dataset split (kind=math)."""
@@ -72,7 +76,15 @@ class TaskConfig:
     answer_key: str = "answer"
     reward_fn: Optional[str] = None
     """``module:function`` called as ``f(completion: str, answer: str, item: dict) -> float``;
-    replaces the task's own scorer."""
+    replaces the task's own scorer. For several rewards use ``task.rewards``."""
+    rewards: list = field(default_factory=list)
+    """Several rewards, summed with weights: ``[{fn, weight, name}]``. ``fn`` is a built-in
+    (``correctness``: the task's own checker; ``math_verify``; ``boxed_format``: 1 if there is a
+    ``\\boxed{}`` answer), a ``module:function`` path, or (from Python) a function, with the signature
+    ``f(completion, answer, item) -> float`` or TRL's batched ``f(prompts, completions, **kwargs) ->
+    list``. ``weight`` defaults to 1, ``name`` to the function's. Each is logged as
+    ``reward/<name>/mean``; evaluation scores with ``correctness`` alone when it is listed. Empty: one
+    reward, ``task.reward_fn`` or correctness."""
     reward_timeout_s: float = 10.0
     """Per-call limit for the reward function; a call that exceeds it scores 0 and is counted."""
     instruction: str = DEFAULT_INSTRUCTION
@@ -131,6 +143,10 @@ class RolloutConfig:
     (and no core reserved for the front end). An environment variable already set wins."""
 
 
+ADAPTIVE_GUARDS = ("none", "kl", "neg_ratio", "kl_or_neg_ratio")
+"""``schedule.adaptive``: the drift guards that may end a stage early (:mod:`mugrpo.adaptive`)."""
+
+
 @dataclass
 class ScheduleConfig:
     total_updates: int = 32
@@ -149,6 +165,25 @@ class ScheduleConfig:
     the budget changes speed and memory, never the update."""
     micro_batch_size: Optional[int] = None
     """Optional cap on sequences per micro-batch on top of the token budget; null: no cap."""
+    adaptive: Literal[ADAPTIVE_GUARDS] = "none"
+    """Adaptive stage (docs/ALGORITHM.md section 3a): end a stage early when a drift guard trips on
+    the update just done, then regenerate with the current weights. ``none``: fixed stages of mu
+    updates. ``kl``: trips when ``loss/kl_behavior`` (k3 KL(behaviour -> current) over the update's
+    trained tokens) exceeds ``adaptive_kl_max``; ``neg_ratio``: when ``loss/ratio_mean_neg``
+    (E[rho | A<0]) falls below ``adaptive_neg_ratio_min``; ``kl_or_neg_ratio``: either. A NaN metric
+    (no token to measure) never trips. With a guard, mu (``updates_per_stage``, or total_updates /
+    num_stages) is the MAXIMUM stage length and ``total_updates`` the budget: the run ends after U
+    updates whatever the number of stages. Every stage still generates ``rollout.prompts_per_stage``
+    prompts (sized for mu updates); an early end leaves the rest unused (``stage/passes_used`` < 1
+    in the stage record, beside ``stage/end_reason`` and ``stage/num_updates``): set
+    ``rollout.prompts_per_stage`` lower to waste less."""
+    adaptive_kl_max: float = 0.05
+    """The ``kl`` guard's threshold on k3 KL(behaviour -> current) of the last update (nats/token)."""
+    adaptive_neg_ratio_min: float = 0.8
+    """The ``neg_ratio`` guard's threshold on E[rho | A<0] of the last update (1 = no drift)."""
+    adaptive_min_updates: int = 1
+    """With a guard: a stage never ends before this many updates (at most mu). Stages in the run:
+    between U / mu and ceil(U / adaptive_min_updates)."""
 
 
 CLIP_MODES = ("ppo", "m2po")
@@ -156,6 +191,7 @@ VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
 VETO_NORMALIZERS = ("pre_veto", "post_veto")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
+BEHAVIOR_LOGPROBS = ("engine", "trainer")
 """The accepted values of the loss section, defined once: the fields below are typed by them and the
 loss module (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`) checks against them."""
 
@@ -195,6 +231,15 @@ class LossConfig:
     adv_eps: float = 1e-6
     drop_zero_var_groups: bool = False
     """Drop groups whose rewards are all equal from the stage dataset (DAPO dynamic sampling)."""
+    behavior_logprobs: Literal[BEHAVIOR_LOGPROBS] = "engine"
+    """The ratio's denominator. ``engine`` (the paper's): the log-probs the rollout engine stored
+    while sampling. ``trainer``: at stage start the trainer recomputes them with its own no-grad
+    forward of the behaviour weights (stored with the stage data), the ratio is taken against those,
+    and each token's surrogate is multiplied by the truncated importance weight
+    min(pi_trainer / pi_engine, ``tis_cap``) (TIS; verl, TRL). The veto sees the trainer ratio. Costs
+    one no-grad forward over the stage's trained sequences. See docs/ALGORITHM.md section 5b."""
+    tis_cap: float = 2.0
+    """C of ``behavior_logprobs=trainer``: the engine-vs-trainer weight is capped at C (> 0)."""
 
     def describe(self) -> str:
         """The clip range and ratio level in words (for the printed plan)."""
@@ -281,6 +326,27 @@ class ParallelConfig:
     generation, so this must exceed the straggler gap of a stage's generation."""
 
 
+LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters through peft (:mod:`mugrpo.lora`); off while ``rank`` is 0."""
+
+    rank: int = 0
+    """r: rank of each adapter's B @ A update; 0 trains the full model (no LoRA)."""
+    alpha: float = 32.0
+    """The update is scaled by alpha / rank. LoRA usually needs a larger ``optim.lr`` than full
+    fine-tuning (commonly about 10x)."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input while training. Above 0 the trainer's log-probs are no longer
+    the engine's at a stage's first update (the engine samples without dropout)."""
+    target_modules: list | str = field(default_factory=lambda: list(LORA_DEFAULT_TARGETS))
+    """Names (or name suffixes) of the linear layers that get an adapter, or ``all-linear`` (every
+    linear layer but the LM head). The default is the attention and MLP projections of Llama, Qwen2
+    and Qwen3; a list that matches no layer of the model stops the run at start."""
+
+
 @dataclass
 class CheckpointConfig:
     every_updates: int = 0
@@ -344,6 +410,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -532,6 +599,7 @@ def validate(cfg: Config) -> None:
         _check(s.updates_per_stage >= 1, "schedule.updates_per_stage", "an integer >= 1", s.updates_per_stage)
     if s.num_stages is not None:
         _check(s.num_stages >= 1, "schedule.num_stages", "an integer >= 1", s.num_stages)
+    _validate_adaptive(s)
     _check(r.group_size >= 2, "rollout.group_size", "an integer >= 2 (advantages need a group)", r.group_size)
     if r.prompts_per_stage is not None:
         _check(r.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null", r.prompts_per_stage)
@@ -551,6 +619,8 @@ def validate(cfg: Config) -> None:
         _check(loss.dual_clip_c > 1, "loss.dual_clip_c", "> 1 or null", loss.dual_clip_c)
     _check(loss.kl_beta >= 0, "loss.kl_beta", ">= 0", loss.kl_beta)
     _check(loss.adv_eps > 0, "loss.adv_eps", "> 0", loss.adv_eps)
+    _check(0 < loss.tis_cap < math.inf, "loss.tis_cap", "a finite number > 0 (the TIS weight's cap C, e.g. 2)",
+           loss.tis_cap)
     _check(o.lr > 0 and math.isfinite(o.lr), "optim.lr", "a finite number > 0", o.lr)
     for key in ("beta1", "beta2"):
         _check(0 <= getattr(o, key) < 1, f"optim.{key}", "in [0, 1)", getattr(o, key))
@@ -566,6 +636,7 @@ def validate(cfg: Config) -> None:
            cfg.task.reward_timeout_s)
     if cfg.task.reward_fn is not None:
         _check(":" in cfg.task.reward_fn, "task.reward_fn", "'module:function'", cfg.task.reward_fn)
+    _validate_rewards(cfg.task)
     for i, shot in enumerate(cfg.task.few_shot):
         if not (isinstance(shot, dict) and set(shot) == {"question", "answer"}):
             raise ConfigError(f"task.few_shot[{i}] must be a mapping with keys 'question' and 'answer'")
@@ -580,7 +651,35 @@ def validate(cfg: Config) -> None:
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
     _validate_eval_and_log(cfg)
+    _validate_lora(cfg.lora)
     make_plan(cfg)  # schedule consistency is the planner's job; called here so errors surface at start-up
+
+
+def _validate_rewards(task: TaskConfig) -> None:
+    if task.rewards and task.reward_fn is not None:
+        raise ConfigError("task.reward_fn and task.rewards are both set; list the function in task.rewards "
+                          f"(e.g. {{fn: {task.reward_fn}, weight: 1.0}}) and set task.reward_fn=null")
+    names = set()
+    for i, spec in enumerate(task.rewards):
+        key = f"task.rewards[{i}]"
+        if isinstance(spec, str) or callable(spec):
+            spec = task.rewards[i] = {"fn": spec}
+        unknown = sorted(set(spec) - {"fn", "weight", "name"}) if isinstance(spec, dict) else []
+        if not (isinstance(spec, dict) and "fn" in spec) or unknown:
+            raise ConfigError(f"{key}={spec!r}: each reward is a mapping {{fn, weight, name}} (fn required), e.g. "
+                              "{fn: correctness, weight: 1.0}" + (f"; unknown key(s) {unknown}" if unknown else ""))
+        if not (callable(spec["fn"]) or isinstance(spec["fn"], str) and spec["fn"]):
+            raise ConfigError(f"{key}.fn={spec['fn']!r}: a built-in name, 'module:function', or a Python function")
+        weight = spec.get("weight", 1.0)
+        _check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+               f"{key}.weight", "a finite number", weight)
+        name = spec.get("name")
+        if name is not None:
+            _check(isinstance(name, str) and name and "/" not in name, f"{key}.name", "a non-empty string without '/'",
+                   name)
+            if name in names:
+                raise ConfigError(f"{key}.name={name!r} is used twice; give each reward its own name")
+            names.add(name)
 
 
 LOGGERS = ("tensorboard", "wandb")
@@ -601,6 +700,26 @@ def _validate_eval_and_log(cfg: Config) -> None:
         _check(name in LOGGERS, "log.loggers", f"a list drawn from {list(LOGGERS)}", cfg.log.loggers)
 
 
+def _validate_adaptive(s: ScheduleConfig) -> None:
+    """The adaptive-stage keys; their bound against mu is checked by :func:`mugrpo.plan.make_plan`."""
+    _check(0 < s.adaptive_kl_max < math.inf, "schedule.adaptive_kl_max", "a finite number > 0 (nats per token)",
+           s.adaptive_kl_max)
+    _check(0 < s.adaptive_neg_ratio_min <= 1, "schedule.adaptive_neg_ratio_min",
+           "in (0, 1] (E[rho | A<0] starts at 1 and falls as the stage drifts)", s.adaptive_neg_ratio_min)
+    _check(s.adaptive_min_updates >= 1, "schedule.adaptive_min_updates", "an integer >= 1", s.adaptive_min_updates)
+
+
+def _validate_lora(lc: LoraConfig) -> None:
+    _check(lc.rank >= 0, "lora.rank", "an integer >= 0 (0 = off)", lc.rank)
+    _check(0 < lc.alpha < math.inf, "lora.alpha", "a finite number > 0", lc.alpha)
+    _check(0 <= lc.dropout < 1, "lora.dropout", "in [0, 1)", lc.dropout)
+    targets = lc.target_modules
+    ok = targets == "all-linear" or (isinstance(targets, list) and targets
+                                     and all(isinstance(t, str) and t for t in targets))
+    _check(ok, "lora.target_modules", "a non-empty list of module names, e.g. [q_proj, v_proj], or 'all-linear'",
+           targets)
+
+
 def _validate_vllm(r: RolloutConfig) -> None:
     if r.vllm_max_model_len is not None:
         _check(r.vllm_max_model_len >= 1, "rollout.vllm_max_model_len", "an integer >= 1 or null", r.vllm_max_model_len)
@@ -615,7 +734,12 @@ def _validate_vllm(r: RolloutConfig) -> None:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    """The config as plain data; a reward given as a Python function is written ``python:module.qualname``."""
+    from mugrpo.rewards import function_label
+
+    rewards = [{**spec, "fn": function_label(spec["fn"])} if isinstance(spec, dict) and callable(spec.get("fn"))
+               else spec for spec in cfg.task.rewards]
+    return dataclasses.asdict(dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, rewards=rewards)))
 
 
 def dump_yaml(cfg: Config) -> str:

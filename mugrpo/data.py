@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,6 +67,9 @@ class StageData:
     item_indices: list[int]
     """One per group: the task item the prompt came from."""
     group_size: int
+    trainer_logprobs: list[list[float]] | None = field(default=None, kw_only=True)
+    """One per sequence, only with ``loss.behavior_logprobs=trainer``: the behaviour policy's
+    log-probs recomputed by the trainer at stage start (:mod:`mugrpo.tis`); None otherwise."""
 
     @property
     def num_groups(self) -> int:
@@ -77,9 +80,10 @@ class StageData:
         G = self.group_size
         seqs = [g * G + j for g in groups for j in range(G)]
         idx = torch.tensor(seqs, dtype=torch.long)
+        trainer = None if self.trainer_logprobs is None else [self.trainer_logprobs[s] for s in seqs]
         return StageData([self.prompts[g] for g in groups], [self.responses[s] for s in seqs],
                          [self.behavior_logprobs[s] for s in seqs], self.rewards[idx], self.advantages[idx],
-                         self.finished[idx], [self.item_indices[g] for g in groups], G)
+                         self.finished[idx], [self.item_indices[g] for g in groups], G, trainer_logprobs=trainer)
 
     def save(self, path: Path) -> None:
         """Atomic write (temp file, fsync, rename)."""
@@ -99,6 +103,8 @@ class StageData:
             "advantages": self.advantages.float().contiguous(), "finished": self.finished.to(torch.uint8),
             "item_indices": torch.tensor(self.item_indices, dtype=torch.int64),
         }
+        if self.trainer_logprobs is not None:
+            tensors["trainer_logprobs"] = flat(self.trainer_logprobs, torch.float32)[0]
         meta = {"group_size": str(self.group_size), "format_version": str(FORMAT_VERSION)}
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
@@ -114,9 +120,11 @@ class StageData:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
             t = load_file(str(path))
+            trainer = t.get("trainer_logprobs")
             return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
                        unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
-                       t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]))
+                       t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]),
+                       trainer_logprobs=None if trainer is None else unflat(trainer, t["response_offsets"]))
         except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
             raise StageDataError(path, exc) from exc
 
@@ -170,13 +178,15 @@ class MicroBatch:
     response_mask: torch.Tensor  # [B, R] bool
     behavior_logprobs: torch.Tensor  # [B, R]
     advantages: torch.Tensor  # [B]
+    trainer_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R], with StageData's
 
     @property
     def response_len(self) -> int:
         return self.response_ids.shape[1]
 
     def to(self, device) -> "MicroBatch":
-        return type(self)(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
+        return type(self)(**{f: None if getattr(self, f) is None else getattr(self, f).to(device)
+                             for f in self.__dataclass_fields__})
 
 
 def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
@@ -193,15 +203,18 @@ def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
     input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
     attention = torch.zeros((B, P + R), dtype=torch.long)
     behavior = torch.zeros((B, R), dtype=torch.float32)
+    trainer = None if data.trainer_logprobs is None else torch.zeros((B, R), dtype=torch.float32)
     for row, (p, r, s) in enumerate(zip(prompts, responses, seqs)):
         input_ids[row, P - len(p):P] = torch.tensor(p, dtype=torch.long)
         input_ids[row, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
         attention[row, P - len(p):P + len(r)] = 1
         behavior[row, :len(r)] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
+        if trainer is not None:
+            trainer[row, :len(r)] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
     position_ids = (attention.cumsum(1) - 1).clamp(min=0)
     response_mask = attention[:, P:].bool()
     return MicroBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask, behavior,
-                      data.advantages[torch.tensor(seqs, dtype=torch.long)])
+                      data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer)
 
 
 def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:

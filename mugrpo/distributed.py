@@ -18,8 +18,9 @@ every function here is the single-process identity.
   trainer scales each rank's share of the global loss by W.
 - Weights leave the shards one full parameter at a time (``full_state_items``): engine sync and
   checkpoints never hold more than one gathered parameter beyond what the receiver keeps.
-- Checkpoints hold world-size-independent state (full parameters, full optimizer state keyed by
-  parameter name); loading scatters each tensor from rank 0 into the shards.
+- Checkpoints hold world-size-independent state (full trained parameters, full optimizer state
+  keyed by parameter name); loading scatters each tensor from rank 0 into the shards. With LoRA the
+  trained parameters are the adapters; the frozen base is reloaded from the model folder.
 
 Nothing here knows about the loss, tasks or engines.
 """
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
+from mugrpo import lora
 from mugrpo.data import SHARDS_FILE, StageData, StageDataError, atomic_write_text, shard_path, update_groups
 
 
@@ -195,7 +197,8 @@ def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
         behavior_logprobs=[b for d in parts for b in d.behavior_logprobs],
         rewards=torch.cat([d.rewards for d in parts]), advantages=torch.cat([d.advantages for d in parts]),
         finished=torch.cat([d.finished for d in parts]), item_indices=[i for d in parts for i in d.item_indices],
-        group_size=parts[0].group_size, shard_sizes=[d.num_groups for d in parts])
+        group_size=parts[0].group_size, shard_sizes=[d.num_groups for d in parts],
+        trainer_logprobs=None if parts[0].trainer_logprobs is None else [t for d in parts for t in d.trainer_logprobs])
 
 
 def rank_update_groups(data: StageData, prompts_per_rank: int, update_in_stage: int, seed: int, stage: int
@@ -328,14 +331,34 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_state_items(model: torch.nn.Module, keep: bool = True):
-    """(HF name, full tensor) for every parameter, one at a time: bounded peak memory under FSDP2.
+    """(HF name, full tensor) for every weight of the plain HF model, one at a time: bounded peak
+    memory under FSDP2. With LoRA adapters these are the merged weights under the base model's names
+    (:func:`mugrpo.lora.merged_items`): what the engine, evaluation and the export get.
 
     Every rank must consume the whole iterator (each item is a collective). With ``keep=False``
     the gathered tensor is dropped at once and None is yielded (ranks that only take part).
     """
+    if lora.has_lora(model):
+        yield from lora.merged_items(model, _full, keep)
+        return
     for name, param in model.named_parameters():
         tensor = _full(param.detach())
         yield name, tensor if keep else None
+
+
+def trained_items(model: torch.nn.Module, keep: bool = True):
+    """(name, full tensor) for every parameter the optimizer trains (``requires_grad``), under the
+    model's own names: what a checkpoint holds (all weights in full fine-tuning, the adapters with
+    LoRA). A collective per item, like :func:`full_state_items`."""
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            tensor = _full(param.detach())
+            yield name, tensor if keep else None
+
+
+def adapter_items(model: torch.nn.Module, keep: bool = True):
+    """The LoRA adapters gathered whole, under peft's checkpoint keys (:func:`mugrpo.lora.adapter_items`)."""
+    yield from lora.adapter_items(model, _full, keep)
 
 
 @contextlib.contextmanager
@@ -422,9 +445,12 @@ def load_full_optimizer_state(model: torch.nn.Module, optimizer, saved: dict | N
 def load_full_params(model: torch.nn.Module, get_tensor) -> None:
     """Copy full weights into the (possibly sharded) parameters; ``get_tensor(name)`` on rank 0 only.
 
-    One parameter at a time: rank 0 reads it and scatters the shards (``distribute_tensor``).
+    One parameter at a time: rank 0 reads it and scatters the shards (``distribute_tensor``). Only
+    the trained parameters (:func:`trained_items`); frozen ones (a LoRA base) keep their loaded values.
     """
     for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
         value = _scatter_like(param, get_tensor(name) if get_tensor is not None else None)
         if _is_dtensor(param):
             param.to_local().copy_(value.to_local())

@@ -11,3 +11,7 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A bad key or value in the configuration; the message names the key and the fix."""
+
+
+class TaskError(UserError, ValueError):
+    """A dataset, task or reward that cannot be used; the message says what is wrong and the fix."""

@@ -72,7 +72,10 @@ def run(args) -> int:
         if source["weights"] is not None:
             from safetensors.torch import load_file
 
-            engine.load_weights(load_file(source["weights"]).items())
+            from mugrpo.lora import checkpoint_weights
+
+            engine.load_weights(checkpoint_weights(source["model_path"], cfg.lora, load_file(source["weights"]),
+                                                   cfg.model.trust_remote_code))
         for es in eval_sets:
             prompts, items = render_prompts(tokenizer, es.items, es.task_cfg)
             total = len(items) * (int(settings.greedy) + settings.n)

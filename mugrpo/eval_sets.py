@@ -84,6 +84,8 @@ def resolve(spec: str, base, num_items: Optional[int] = None) -> EvalSet:
     """
     name, source = spec.split("=", 1) if "=" in spec else (spec, spec)
     name, source = name.strip(), source.strip()
+    if any(r.get("fn") == "correctness" for r in base.rewards if isinstance(r, dict)):
+        base = dataclasses.replace(base, rewards=[])  # evaluation scores correctness alone (task.rewards doc)
     if not source:
         raise TaskError(f"--task {spec!r}: empty source after '='")
     if source == "train":

@@ -67,7 +67,7 @@ def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[in
     """Prompt token ids and the items they belong to, with ``task.prompt_too_long`` applied to
     prompts over ``task.max_prompt_tokens``: ``error`` raises, ``skip`` drops the item (with a
     warning: the metrics are then over fewer items), ``truncate`` keeps the prompt's tail."""
-    prompts = [prompt_ids(tokenizer, item.question, task_cfg) for item in items]
+    prompts = [prompt_ids(tokenizer, item.prompt, task_cfg) for item in items]
     prompts, kept = limit_prompts(prompts, task_cfg, "evaluation")
     if len(kept) < len(items):
         print(f"[mugrpo] warning: skipping {len(items) - len(kept)} of {len(items)} evaluation items whose prompt is "
@@ -98,7 +98,7 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
         flat = [c for group in completions for c in group]
         texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
         repeated = [item for item in items for _ in range(sampling.n)]
-        scores, _ = task.score_all(texts, repeated)
+        scores, _ = task.score_eval(texts, repeated)
         per_item = scores.view(len(items), sampling.n).tolist()
         if mode == "greedy":
             out.greedy = [row[0] for row in per_item]
@@ -131,7 +131,8 @@ class TrainingEvaluator:
 
     - :meth:`maybe_run` before the first update and after every update: evaluates the initial
       policy (``eval.at_start``) and every ``eval.every_updates`` updates, except at a stage's
-      last update, which is left to :meth:`finish_stage` (so its progress bar never nests).
+      last update (``stage_ends``: the loop knows, an adaptive stage's length is decided as it
+      goes), which is left to :meth:`finish_stage` (so its progress bar never nests).
     - :meth:`finish_stage` at each stage end: evaluates when due (``eval.every_stages``, the last
       stage, or an ``every_updates`` multiple) and returns the seconds spent evaluating during
       the stage, for ``perf/eval_s``. :attr:`in_loop_s` is the part spent inside the stage's
@@ -162,8 +163,9 @@ class TrainingEvaluator:
         """Seconds of this stage's evaluations run from inside its optimisation loop."""
         self._last_update: Optional[int] = None
 
-    def maybe_run(self, state) -> None:
-        if not self.enabled or state.update_in_stage >= self.plan.updates_per_stage:
+    def maybe_run(self, state, stage_ends: bool = False) -> None:
+        """``stage_ends``: this update ends its stage (mu reached, the budget, or an adaptive guard)."""
+        if not self.enabled or stage_ends:
             return
         e = self.cfg.eval
         at_start = state.update == 0 and e.at_start
@@ -177,7 +179,7 @@ class TrainingEvaluator:
         """Run the stage-end evaluation if due; return (and reset) the stage's evaluation seconds."""
         e = self.cfg.eval
         if self.enabled:
-            last = state.stage + 1 == self.plan.num_stages
+            last = state.update >= self.plan.total_updates  # by updates: adaptive stages vary in number
             stage_due = e.every_stages and ((state.stage + 1) % e.every_stages == 0 or last)
             update_due = e.every_updates and state.update % e.every_updates == 0
             if stage_due or update_due:

@@ -147,8 +147,8 @@ def sequence_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Ten
 
 def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, settings: LossSettings, *, denominator: torch.Tensor | float,
-                ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Mu-GRPO loss of one micro-batch, and its metrics as [numerator, denominator] pairs.
 
     ``logprobs`` [B, T] carry the gradient; ``behavior_logprobs`` [B, T] are the stored behaviour
@@ -156,6 +156,11 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     the stage. Token loss = clipped surrogate (+ kl_beta * k3(ref) - entropy_coef * H); vetoed
     tokens leave the numerator. With ``veto_normalizer="post_veto"`` the seq-mean per-sequence
     counts are post-veto (the caller then also passes a post-veto ``denominator``).
+
+    ``is_weights`` [B, T] (optional, detached here): a per-token weight multiplying the clipped
+    surrogate, e.g. the truncated importance weight min(pi_trainer / pi_engine, C) of
+    :func:`mugrpo.tis.tis_weights`; it scales neither the KL nor the entropy term, nor the
+    normaliser. A = 0 tokens stay exactly 0 (0 * w = 0). None: the loss is exactly today's.
     """
     s = settings
     mask = mask.bool()
@@ -176,6 +181,8 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     else:
         raise ValueError(f"unknown clip mode {s.clip_mode!r}; choose one of {CLIP_MODES}")
     token_loss, clip_low, clip_high = clipped_surrogate(surrogate_log_ratio, advantages, low, high, s.dual_clip_c)
+    if is_weights is not None:
+        token_loss = token_loss * is_weights.detach().to(token_loss.dtype)
     per_seq = (fkeep if s.veto_normalizer == "post_veto" else fmask).sum(1)
     agg = dict(mode=s.aggregation, denominator=denominator, seq_len_norm=s.seq_len_norm)
     pg_loss = aggregate(token_loss, fkeep, per_seq, **agg)

@@ -8,10 +8,15 @@ Definitions (docs/ALGORITHM.md section 3):
   shuffled, cycling through several passes when mu x prompts_per_update > prompts_per_stage.
 - Staleness of update j (0-based) inside a stage = j: the number of optimizer updates since the
   behaviour snapshot was taken.
+- Adaptive stages (``schedule.adaptive`` != none, :mod:`mugrpo.adaptive`): mu is the MAXIMUM stage
+  length and U the budget, so the number of stages is variable, between U / mu and
+  ceil(U / adaptive_min_updates); ``num_stages`` and ``weight_syncs`` are then None and only
+  ``min_stages`` / ``max_stages`` bound them. Code that runs the schedule goes by updates.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +28,8 @@ if TYPE_CHECKING:  # for annotations only: mugrpo.config imports this module to 
 
 @dataclass(frozen=True)
 class Plan:
-    num_stages: int
+    num_stages: int | None
+    """K; None with adaptive stages (variable: ``min_stages`` .. ``max_stages``)."""
     updates_per_stage: int
     total_updates: int
     prompts_per_stage: int
@@ -37,7 +43,13 @@ class Plan:
     micro_batch_size: int | None
     passes_per_stage: float
     max_staleness: int
-    weight_syncs: int
+    weight_syncs: int | None
+    """One per stage: ``num_stages`` (None with adaptive stages)."""
+    adaptive: str = "none"
+    min_updates_per_stage: int = 0
+    """Adaptive: no stage ends before this many updates (unless the budget does); fixed: mu."""
+    min_stages: int = 0
+    max_stages: int = 0
 
 
 def make_plan(cfg: Config, world_size: int = 1) -> Plan:
@@ -80,8 +92,13 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
             "so that whole prompt groups stay on one rank"
         )
     per_rank = seq_per_update // world_size
+    adaptive = s.adaptive != "none"
+    min_len = s.adaptive_min_updates if adaptive else mu
+    if adaptive and min_len > mu:
+        raise ConfigError(f"schedule.adaptive_min_updates={min_len} exceeds the maximum stage length mu={mu} "
+                          "(schedule.updates_per_stage, or total_updates / num_stages); lower it or raise mu")
     return Plan(
-        num_stages=stages,
+        num_stages=None if adaptive else stages,
         updates_per_stage=mu,
         total_updates=total,
         prompts_per_stage=prompts_per_stage,
@@ -95,7 +112,11 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
         micro_batch_size=s.micro_batch_size,
         passes_per_stage=mu * s.prompts_per_update / prompts_per_stage,
         max_staleness=mu - 1,
-        weight_syncs=stages,
+        weight_syncs=None if adaptive else stages,
+        adaptive=s.adaptive,
+        min_updates_per_stage=min_len,
+        min_stages=stages,
+        max_stages=math.ceil(total / min_len),
     )
 
 
@@ -107,10 +128,7 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         micro += f", at most {plan.micro_batch_size} sequences"
     rows = [
         ("preset", cfg.preset),
-        ("stages (K)", plan.num_stages),
-        ("updates per stage (mu)", plan.updates_per_stage),
-        ("total updates (U)", plan.total_updates),
-        ("weight syncs", plan.weight_syncs),
+        *_stage_rows(plan, cfg),
         ("prompts per stage", plan.prompts_per_stage),
         ("group size (G)", plan.group_size),
         ("sequences per stage", plan.sequences_per_stage),
@@ -119,7 +137,7 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         ("ranks", plan.world_size),
         ("sequences per update per rank", plan.sequences_per_update_per_rank),
         ("micro-batch budget", micro),
-        ("passes over each stage's data", f"{plan.passes_per_stage:g}"),
+        ("passes over each stage's data", f"{'at most ' if plan.num_stages is None else ''}{plan.passes_per_stage:g}"),
         ("staleness range (updates)", f"0 .. {plan.max_staleness}"),
         ("clip range", cfg.loss.describe()),
         ("veto", "none" if cfg.loss.veto_scope == "none"
@@ -137,3 +155,22 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _stage_rows(plan: Plan, cfg: Config) -> list[tuple[str, object]]:
+    """Stages, stage length, budget and syncs: exact for a fixed schedule, bounds for an adaptive one."""
+    if plan.num_stages is not None:
+        return [("stages (K)", plan.num_stages), ("updates per stage (mu)", plan.updates_per_stage),
+                ("total updates (U)", plan.total_updates), ("weight syncs", plan.weight_syncs)]
+    s = cfg.schedule
+    guard = {"kl": f"KL(behaviour -> current) > {s.adaptive_kl_max:g}",
+             "neg_ratio": f"E[rho | A<0] < {s.adaptive_neg_ratio_min:g}",
+             "kl_or_neg_ratio": f"KL(behaviour -> current) > {s.adaptive_kl_max:g} or E[rho | A<0] < "
+                                f"{s.adaptive_neg_ratio_min:g}"}[plan.adaptive]
+    between = f"{plan.min_stages} .. {plan.max_stages}"
+    return [("stages (K)", f"variable, {between} (adaptive: U/mu .. ceil(U/min updates))"),
+            ("updates per stage (mu)", f"{plan.min_updates_per_stage} .. {plan.updates_per_stage} "
+                                       "(fewer only where the budget ends)"),
+            ("stage ends early when", f"{guard} after an update"),
+            ("total updates (U)", f"{plan.total_updates} (the budget, whatever the number of stages)"),
+            ("weight syncs", f"one per stage: {between}")]

@@ -9,8 +9,9 @@
 - ``stage_time.png``: each stage's wall-clock split into sync / generate / score / optimise /
   eval / checkpoint / other, stacked bars, one panel per run, plus the run totals;
 - ``summary.md`` (and ``summary.json`` with the same numbers, unrounded): headline numbers, time
-  per phase, and the training clock each run needed to first reach given levels, with speed-ups
-  relative to the first run.
+  per phase, the training clock each run needed to first reach given levels, with speed-ups
+  relative to the first run, and the drift diagnostics and held-out metric against the position
+  in the stage (:func:`mugrpo.report_data.by_position`).
 
 The numbers come from :mod:`mugrpo.report_data` (where the definitions are stated); this module
 only draws and formats. matplotlib is imported lazily with the Agg backend (no display needed).
@@ -123,6 +124,7 @@ def write_report(runs: list[rd.Run], out: Path, levels=None, eval_levels=None, e
         "eval_key": eval_key,
         "reward_levels": _reach_table(runs, rewards, levels),
         "eval_levels": _reach_table(runs, evals, eval_levels) if evals else [],
+        "by_position": {r.label: rd.by_position(r, eval_key) for r in runs},
     }
     (out / "summary.json").write_text(json.dumps(json_safe(data), indent=1) + "\n")
     (out / "summary.md").write_text(_markdown(title, runs, data, [p.name for p in written]))
@@ -303,8 +305,24 @@ def _markdown(title: str, runs, data: dict, figures: list[str]) -> str:
     parts += _reach_section("reward/mean", data["reward_levels"], runs)
     if eval_key:
         parts += _reach_section(eval_key, data["eval_levels"], runs)
+    parts += _position_section(data["by_position"], eval_key)
     parts += ["## Figures\n"] + [f"![{Path(f).stem}]({f})\n" for f in figures]
     return "\n".join(parts)
+
+
+def _position_section(by_run: dict, eval_key) -> list[str]:
+    """Diagnostics and held-out accuracy against the position in the stage (mean over stages)."""
+    keys = [*rd.POSITION_KEYS, *([eval_key] if eval_key else [])]
+    parts = ["## Drift against the position in the stage (mean over stages)\n",
+             "Position p: updates since the stage's behaviour snapshot (an update's ratios, or an evaluated "
+             "policy, p updates past it). n: update (and evaluation) records averaged.\n"]
+    for label, rows in by_run.items():
+        if not rows:
+            continue
+        table = [[f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
+                  f"{r['num_updates']} ({r['num_evals']})", *(_num(r[k], "{:.4g}") for k in keys)] for r in rows]
+        parts += [f"### {label}\n", _table(["p", "n", *keys], table)]
+    return parts
 
 
 def _reach_section(key: str, table: list[dict], runs) -> list[str]:

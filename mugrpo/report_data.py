@@ -37,6 +37,10 @@ DRIFT_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_fra
               "loss/clip_frac_low", "loss/clip_frac_high", "loss/kl_behavior", "loss/ess_frac")
 """Per-update diagnostics plotted against the update index within the stage (staleness)."""
 
+POSITION_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_frac", "loss/first_trigger_pos",
+                 "loss/kl_behavior")
+"""The per-update diagnostics tabulated against the update's position in its stage (:func:`by_position`)."""
+
 
 class ReportError(UserError, ValueError):
     """A run directory the report cannot use; the message says why."""
@@ -57,8 +61,8 @@ class Run:
 
     @property
     def updates_per_stage(self) -> Optional[int]:
-        if self.stages:
-            return int(self.stages[0]["update_in_stage"])
+        if self.stages:  # the longest: adaptive stages (schedule.adaptive) may end before mu
+            return max(int(s["update_in_stage"]) for s in self.stages)
         return (self.config.get("schedule") or {}).get("updates_per_stage")
 
 
@@ -188,6 +192,34 @@ def drift_by_stage(run: Run, key: str) -> dict[int, tuple[list[int], list[float]
         xs.append(int(u["update_in_stage"]))
         ys.append(value(u, key))
     return out
+
+
+def by_position(run: Run, eval_key: Optional[str] = None, max_rows: int = 16) -> list[dict]:
+    """Each :data:`POSITION_KEYS` diagnostic and the held-out ``eval_key`` against the position in the stage.
+
+    Position p = updates made since the stage's behaviour snapshot: an update record's
+    ``update_in_stage`` (its ratios were taken with the policy p updates past the snapshot) and an
+    evaluation's ``update_in_stage`` (the policy it evaluated, p updates past it; an evaluation at a
+    stage's end has p = the stage's length). Values are averaged over stages (NaN ones left out); with
+    more than ``max_rows`` positions, consecutive positions share a row (``first``..``last``).
+    """
+    points = [(int(u["update_in_stage"]), u) for u in run.updates]
+    if eval_key:
+        points += [(int(e["update_in_stage"]), e) for e in run.evals if e.get("update_in_stage") is not None]
+    if not points:
+        return []
+    width = math.ceil((max(p for p, _ in points) + 1) / max_rows)
+    rows = []
+    for first in range(0, max(p for p, _ in points) + 1, width):
+        inside = [r for p, r in points if first <= p < first + width]
+        updates = [r for r in inside if r.get("kind") == "update"]
+        evals = [r for r in inside if r.get("kind") == "eval"]
+        row = {"first": first, "last": first + width - 1, "num_updates": len(updates), "num_evals": len(evals)}
+        for key, records in [*((k, updates) for k in POSITION_KEYS), *([(eval_key, evals)] if eval_key else [])]:
+            values = [v for r in records if not math.isnan(v := value(r, key))]
+            row[key] = sum(values) / len(values) if values else math.nan
+        rows.append(row)
+    return rows
 
 
 def summary(run: Run, eval_key: Optional[str]) -> dict:

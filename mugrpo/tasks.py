@@ -1,40 +1,39 @@
-"""Tasks: where prompts come from, how they are rendered, and how responses are scored.
+"""Tasks: where prompts come from, how they are rendered, and which rewards score the responses.
 
-Three sources (config ``task.*``):
-- ``reasoning_gym``: a procedural generator by name, scored by the generator's own
+Sources (config ``task.*``):
+- ``reasoning_gym``: a procedural generator by name, whose correctness is the generator's own
   ``score_answer`` on the extracted final answer;
-- ``math``: question/answer rows from a local jsonl/json/parquet/csv file or an HF dataset,
-  scored with math-verify;
-- ``reward_fn = "module:function"``: a custom scorer replacing either.
+- ``math``: rows from a local jsonl/json/parquet/csv file or an HF dataset, whose correctness is
+  math-verify against the row's answer;
+- rows given from Python (``mugrpo.train(train_dataset=...)``, ``task.kind=rows``).
 
-The final answer is the content of the last ``\\boxed{...}``; a response without one scores 0.
-Scoring never raises (KeyboardInterrupt aside): a scorer that raises (``SystemExit`` included),
-hangs past ``reward_timeout_s`` or returns a non-number, or a number that is not finite as a
-float32, scores 0 and is counted (:class:`ScoreStats`).
+A row's prompt is its ``task.question_key`` column (a question, rendered with the task's instruction,
+few-shot turns and system prompt), or else a ``prompt`` column as in TRL: a string (the question) or
+a list of chat messages (used as they are). Its answer is ``task.answer_key``, else ``solution``,
+else verl's ``reward_model.ground_truth``.
+
+The rewards (:mod:`mugrpo.rewards`): ``task.rewards`` (several, weighted), else ``task.reward_fn``
+(one function replacing correctness), else correctness. The final answer is the content of the last
+``\\boxed{...}``; a response without one scores 0. Held-out items never occur in training
+(:func:`clean_split`).
 
 This module knows nothing about models' weights, the loss or the engines.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import json
-import math
-import numbers
-import signal
-import threading
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
-from mugrpo.errors import UserError
+from mugrpo.errors import TaskError
+from mugrpo.rewards import RewardFn, ScoreStats, make_reward, score
 
-
-class TaskError(UserError, ValueError):
-    """A dataset or task that cannot be used; the message says what is wrong and the fix."""
+__all__ = ["Item", "Task", "TaskError", "ScoreStats", "build_task", "clean_split", "extract_boxed", "prompt_ids"]
 
 
 @dataclass
@@ -43,6 +42,13 @@ class Item:
     answer: str
     entry: dict = field(default_factory=dict)
     """The source row (reasoning-gym entry or dataset row), passed to scorers."""
+    messages: Optional[list] = None
+    """A prompt given as chat messages (a ``prompt`` column, as TRL's): used as they are."""
+
+    @property
+    def prompt(self):
+        """What the policy is prompted with: the chat messages, or the question."""
+        return self.messages if self.messages is not None else self.question
 
 
 def extract_boxed(text: str) -> Optional[str]:
@@ -60,93 +66,34 @@ def extract_boxed(text: str) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Scoring with fault isolation.
-
-
-class RewardTimeout(Exception):
-    pass
-
-
-def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``fn()``; raise RewardTimeout after ``timeout_s`` (SIGALRM; main thread only, else no limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        return fn()
-
-    def on_alarm(signum, frame):
-        raise RewardTimeout(f"reward call exceeded {timeout_s:g} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-@dataclass
-class ScoreStats:
-    num_scored: int = 0
-    num_errors: int = 0
-    num_timeouts: int = 0
-    num_invalid: int = 0
-    """Scorer returned None, NaN, inf, a number beyond float32's range or a non-number."""
-    num_unparsable: int = 0
-    """No ``\\boxed{}`` answer found (scored 0 by the built-in scorers)."""
-    first_error: Optional[str] = None
-
-
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _as_reward(value: Any) -> Optional[float]:
-    """``value`` as a float that is finite once stored as float32 (rewards are), else None.
-
-    1e39 is a finite float64 but inf in float32, and an inf reward turns every advantage of its
-    group into NaN, so it is as invalid as NaN itself."""
-    if not isinstance(value, numbers.Real):
-        return None
-    try:
-        reward = float(value)
-    except (OverflowError, ValueError):  # e.g. an int beyond float64
-        return None
-    return reward if math.isfinite(reward) and abs(reward) <= _FLOAT32_MAX else None
+# The task.
 
 
 class Task:
-    """Items for training and held-out evaluation, plus a scorer ``score(completion, item) -> float``."""
+    """Items for training and held-out evaluation, and the rewards that score responses to them.
 
-    def __init__(self, name: str, items: list[Item], eval_items: list[Item],
-                 scorer: Callable[[str, Item], float], timeout_s: float = 10.0):
+    ``rewards`` is a list of :class:`mugrpo.rewards.RewardFn` (the training reward is their weighted
+    sum), or one function ``score(completion, item) -> float``. Evaluation scores with
+    ``rewards[eval_reward]`` alone when it is given (the task's correctness), else with the sum.
+    """
+
+    def __init__(self, name: str, items: list[Item], eval_items: list[Item], rewards, timeout_s: float = 10.0,
+                 eval_reward: Optional[int] = None):
         if not items:
             raise TaskError(f"task {name!r} has no usable training items")
         self.name, self.items, self.eval_items = name, items, eval_items
-        self._scorer, self.timeout_s = scorer, timeout_s
+        self.rewards = rewards if isinstance(rewards, list) else [RewardFn("reward", rewards, builtin=True)]
+        self.timeout_s, self.eval_reward = timeout_s, eval_reward
 
     def score_all(self, completions: list[str], items: list[Item]) -> tuple[torch.Tensor, ScoreStats]:
-        stats = ScoreStats()
-        rewards = []
-        for text, item in zip(completions, items):
-            stats.num_scored += 1
-            if self._scorer.__name__.startswith("_builtin") and extract_boxed(text) is None:
-                stats.num_unparsable += 1
-            try:
-                value = call_with_timeout(lambda: self._scorer(text, item), self.timeout_s)
-            except RewardTimeout:
-                stats.num_timeouts += 1
-                value = 0.0
-            except KeyboardInterrupt:  # Ctrl-C must still stop the run
-                raise
-            except BaseException:  # noqa: BLE001 - a user scorer may raise anything, sys.exit() included
-                stats.num_errors += 1
-                stats.first_error = stats.first_error or traceback.format_exc()
-                value = 0.0
-            reward = _as_reward(value)
-            if reward is None:
-                stats.num_invalid += 1
-                reward = 0.0
-            rewards.append(reward)
-        return torch.tensor(rewards, dtype=torch.float32), stats
+        """The training reward of each completion (the weighted sum), and what happened per function."""
+        return score(self.rewards, completions, items, self.timeout_s, extract_boxed)
+
+    def score_eval(self, completions: list[str], items: list[Item]) -> tuple[torch.Tensor, ScoreStats]:
+        """The evaluation score: the correctness reward alone when the task has one among several."""
+        rewards = self.rewards if self.eval_reward is None else [
+            dataclasses.replace(self.rewards[self.eval_reward], weight=1.0)]
+        return score(rewards, completions, items, self.timeout_s, extract_boxed)
 
     def sample(self, count: int, generator: torch.Generator) -> list[int]:
         """``count`` training item indices, without replacement until the pool is exhausted."""
@@ -159,46 +106,90 @@ class Task:
 # Builders.
 
 
-def _load_reward_fn(spec: str) -> Callable[[str, str, dict], float]:
-    module_name, _, fn_name = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):  # not found itself
-            raise TaskError(f"task.reward_fn={spec!r}: cannot import module {module_name!r} ({exc}); "
-                            "make sure it is on PYTHONPATH") from exc
-        raise TaskError(_import_failure(spec, module_name, exc)) from exc
-    except Exception as exc:  # noqa: BLE001 - the module's own code failed (SyntaxError, a raise at import)
-        raise TaskError(_import_failure(spec, module_name, exc)) from exc
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise TaskError(f"task.reward_fn={spec!r}: module {module_name!r} has no function {fn_name!r}")
-    return fn
-
-
-def _import_failure(spec: str, module_name: str, exc: BaseException) -> str:
-    """The message for a reward module found but failing inside its own import: the real cause and where."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = next((f"{f.filename}:{f.lineno}" for f in reversed(frames) if "importlib" not in f.filename), None)
-    if isinstance(exc, SyntaxError) and exc.filename:
-        where = f"{exc.filename}:{exc.lineno}"
-    return (f"task.reward_fn={spec!r}: importing module {module_name!r} failed inside the module: "
-            f"{type(exc).__name__}: {exc}" + (f" (at {where})" if where else "")
-            + ". Fix the module or install what it imports")
-
-
-def build_task(task_cfg) -> Task:
-    if task_cfg.kind == "reasoning_gym":
-        name, items, eval_items, scorer = _reasoning_gym(task_cfg)
+def build_task(task_cfg, rows: Optional[list[dict]] = None, eval_rows: Optional[list[dict]] = None) -> Task:
+    """The task ``task_cfg`` describes; ``rows`` (and ``eval_rows``) are data given from Python
+    (:func:`mugrpo.train`), used in place of loading ``task.name``."""
+    if rows is not None:
+        name, items, eval_items, correctness = _python_rows(task_cfg, rows, eval_rows)
+    elif task_cfg.kind == "rows":
+        raise TaskError(f"task.name={task_cfg.name!r}: this run's data were passed from Python to mugrpo.train and "
+                        "are not stored in its config; resume it from Python with the same data "
+                        "(mugrpo.train(run_dir=..., train_dataset=..., resume=True)), and evaluate its model on a "
+                        "named task or file (mugrpo eval --model RUN_DIR/final_model --task FILE.jsonl)")
+    elif task_cfg.kind == "reasoning_gym":
+        name, items, eval_items, correctness = _reasoning_gym(task_cfg)
     else:
-        name, items, eval_items, scorer = _math(task_cfg)
-    if task_cfg.reward_fn:
-        user_fn = _load_reward_fn(task_cfg.reward_fn)
+        name, items, eval_items, correctness = _math(task_cfg)
+    rewards, eval_reward = _rewards(task_cfg, correctness)
+    if any(r.builtin and r.fn is _math_verify for r in rewards):
+        _require_answers(name, items + eval_items)
+    items, eval_items = clean_split(name, items, eval_items, task_cfg.eval_size)
+    return Task(name, items, eval_items, rewards, task_cfg.reward_timeout_s, eval_reward)
 
-        def scorer(text: str, item: Item) -> float:
-            return user_fn(text, item.answer, item.entry)
 
-    return Task(name, items, eval_items, scorer, task_cfg.reward_timeout_s)
+def _rewards(task_cfg, correctness) -> tuple[list[RewardFn], Optional[int]]:
+    """The reward functions (``task.rewards``, else ``task.reward_fn``, else correctness) and the index
+    of the one evaluation scores with (correctness, when among several), or None for their sum."""
+    builtins = {"correctness": correctness, "math_verify": _math_verify, "boxed_format": _boxed_format}
+    specs = task_cfg.rewards or [{"fn": task_cfg.reward_fn or "correctness"}]
+    rewards = [make_reward(spec["fn"], float(spec.get("weight", 1.0)), spec.get("name"), builtins) for spec in specs]
+    names = [r.name for r in rewards]
+    if len(set(names)) < len(names):
+        raise TaskError(f"task.rewards: two rewards are named {sorted({n for n in names if names.count(n) > 1})}; "
+                        "give each a distinct 'name'")
+    correct = [i for i, spec in enumerate(specs) if spec["fn"] == "correctness"]
+    return rewards, (correct[0] if len(rewards) > 1 and correct else None)
+
+
+def _require_answers(name: str, items: list[Item]) -> None:
+    if any(not item.answer.strip() for item in items):
+        raise TaskError(f"task {name!r}: math-verify correctness needs an answer for every row, and some have none. "
+                        "Give the data an answer column (task.answer_key; 'answer' or 'solution' are found by "
+                        "themselves), or score with your own reward functions only (task.rewards)")
+
+
+def question_key(question: str) -> str:
+    """The text two questions are compared by: case and runs of whitespace do not count."""
+    return " ".join(question.split()).casefold()
+
+
+MIN_TRAIN_SHARE = 2 / 3
+"""The share of its distinct questions that training keeps when held-out items must be taken from it."""
+
+
+def clean_split(name: str, items: list[Item], eval_items: list[Item], eval_size: int) -> tuple[list[Item], list[Item]]:
+    """Held-out items that never occur in training, compared by question text (:func:`question_key`).
+
+    The held-out set is deduplicated and cut to ``eval_size``; every training item whose question
+    is held out leaves training. A task with a small pool of questions (the default task has 242)
+    would lose most of them, so held-out questions are taken from training only while training keeps
+    at least ``MIN_TRAIN_SHARE`` of its distinct questions; the held-out set is smaller than
+    ``eval_size`` then, and a note says so.
+    """
+    train_keys = {question_key(item.question) for item in items}
+    budget = int(len(train_keys) * (1 - MIN_TRAIN_SHARE))
+    held_out, held_keys, taken, refused = [], set(), 0, 0
+    for item in eval_items:
+        key = question_key(item.question)
+        if len(held_out) == eval_size or key in held_keys:
+            continue
+        if key in train_keys:
+            if taken == budget:
+                refused += 1
+                continue
+            taken += 1
+        held_out.append(item)
+        held_keys.add(key)
+    train = [item for item in items if question_key(item.question) not in held_keys]
+    if refused and len(held_out) < eval_size:
+        print(f"[mugrpo] note: task {name!r}: {len(held_out)} held-out items instead of task.eval_size={eval_size}: "
+              f"the task has {len(train_keys)} distinct training questions, and held-out questions are removed from "
+              f"training only while training keeps {MIN_TRAIN_SHARE:.0%} of them (so held-out never occurs in "
+              "training). Use harder task.params or a larger dataset for a larger held-out set")
+    if not train:
+        raise TaskError(f"task {name!r}: no training item is left once the held-out questions are removed; "
+                        "lower task.eval_size")
+    return train, held_out
 
 
 def _reasoning_gym(task_cfg):
@@ -212,7 +203,7 @@ def _reasoning_gym(task_cfg):
                             "Check task.name and task.params (the generator's config fields)") from exc
 
     train = make(task_cfg.size, task_cfg.seed)
-    held_out = make(max(task_cfg.eval_size, 1), task_cfg.seed + 1)
+    held_out = make(max(2 * task_cfg.eval_size, 1), task_cfg.seed + 1)  # spares: duplicates leave
     datasets = {}
 
     def _builtin_rg(text: str, item: Item) -> float:
@@ -225,7 +216,7 @@ def _reasoning_gym(task_cfg):
     datasets["train"], datasets["eval"] = train, held_out
     items = [Item(str(e["question"]), str(e["answer"]), {**e, "_split": "train"}) for e in train]
     eval_items = [Item(str(e["question"]), str(e["answer"]), {**e, "_split": "eval"}) for e in held_out]
-    return task_cfg.name, items, eval_items[: task_cfg.eval_size], _builtin_rg
+    return task_cfg.name, items, eval_items, _builtin_rg
 
 
 _FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -278,37 +269,91 @@ def _check_jsonl_rows(path: Path) -> None:
 
 
 def _math(task_cfg):
-    from math_verify import parse, verify
-
     rows = load_rows(task_cfg.name, task_cfg.split, task_cfg.subset)
     if not rows:
         raise TaskError(f"dataset {task_cfg.name!r} is empty")
-    for key in (task_cfg.question_key, task_cfg.answer_key):
-        if key not in rows[0]:
-            raise TaskError(f"dataset {task_cfg.name!r} has no column {key!r}; its columns are "
-                            f"{sorted(rows[0])}. Set task.question_key / task.answer_key")
-    items, num_bad = [], 0
-    for row in rows:
-        q, a = row.get(task_cfg.question_key), row.get(task_cfg.answer_key)
-        if q is None or a is None or not str(q).strip() or not str(a).strip():
-            num_bad += 1
-            continue
-        items.append(Item(str(q), str(a), dict(row)))
-    if num_bad:
-        print(f"[mugrpo] warning: skipped {num_bad} of {len(rows)} rows of {task_cfg.name!r} with an empty "
-              f"{task_cfg.question_key!r} or {task_cfg.answer_key!r}")
-    if not items:
-        raise TaskError(f"dataset {task_cfg.name!r}: no row has both a question and an answer")
+    items = items_from_rows(rows, task_cfg, repr(task_cfg.name))
     n_eval = min(task_cfg.eval_size, len(items) // 2)
     train, held_out = (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
+    return task_cfg.name, train, held_out, _math_verify
 
-    def _builtin_math(text: str, item: Item) -> float:
-        answer = extract_boxed(text)
-        if answer is None:
-            return 0.0
-        return float(verify(parse(gold_latex(item.answer)), parse(f"\\boxed{{{answer}}}")))
 
-    return task_cfg.name, train, held_out, _builtin_math
+def _python_rows(task_cfg, rows, eval_rows):
+    """Rows given from Python: held-out items are ``eval_rows``, else the last ``task.eval_size`` rows."""
+    if not rows:
+        raise TaskError("train_dataset is empty")
+    items = items_from_rows(rows, task_cfg, "train_dataset")
+    if eval_rows is not None:
+        return task_cfg.name, items, items_from_rows(eval_rows, task_cfg, "eval_dataset") if eval_rows else [], \
+            _math_verify
+    n_eval = min(task_cfg.eval_size, len(items) // 2)
+    train, held_out = (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
+    return task_cfg.name, train, held_out, _math_verify
+
+
+def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
+    """Items from dataset rows (see the module doc for the columns read); rows without a prompt, or
+    with an answer column but no answer, are skipped with a warning; a missing column is an error."""
+    first = rows[0]
+    if not isinstance(first, dict):
+        raise TaskError(f"{source}: rows must be mappings of column -> value, got {type(first).__name__}")
+    prompt_key = task_cfg.question_key if task_cfg.question_key in first else "prompt" if "prompt" in first else None
+    if prompt_key is None:
+        raise TaskError(f"{source} has no column {task_cfg.question_key!r} and no 'prompt' column; its columns are "
+                        f"{sorted(first)}. Set task.question_key, or give a 'prompt' column (a string or chat "
+                        "messages, as in TRL; mugrpo.from_trl converts TRL- and verl-style rows)")
+    answer_key = next((k for k in (task_cfg.answer_key, "solution") if k in first), None)
+    items, num_bad = [], 0
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise TaskError(f"{source}, row {i}: a {type(row).__name__}, not a mapping of column -> value")
+        prompt, answer = row.get(prompt_key), _answer_of(row, answer_key)
+        if not _prompt_ok(prompt, source, i) or answer_key is not None and not answer.strip():
+            num_bad += 1
+            continue
+        messages = prompt if isinstance(prompt, list) else None
+        question = "\n".join(str(m["content"]) for m in messages) if messages else str(prompt)
+        items.append(Item(question, answer, dict(row), messages))
+    if num_bad:
+        print(f"[mugrpo] warning: skipped {num_bad} of {len(rows)} rows of {source} with an empty "
+              f"{prompt_key!r}" + (f" or {answer_key!r}" if answer_key else ""))
+    if not items:
+        raise TaskError(f"{source}: no row has both a prompt and an answer")
+    return items
+
+
+def _answer_of(row: dict, answer_key: Optional[str]) -> str:
+    if answer_key is not None:
+        value = row.get(answer_key)
+    else:  # verl: {"reward_model": {"ground_truth": ...}}
+        value = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+    return "" if value is None else str(value)
+
+
+def _prompt_ok(prompt, source: str, i: int) -> bool:
+    """False for an empty prompt (the row is skipped); TaskError for chat messages that are malformed."""
+    if isinstance(prompt, list):
+        for m in prompt:
+            if not (isinstance(m, dict) and {"role", "content"} <= set(m)):
+                raise TaskError(f"{source}, row {i}: a chat-message prompt must be a list of {{'role': ..., "
+                                f"'content': ...}} mappings; got {m!r}")
+        return bool(prompt)
+    return prompt is not None and bool(str(prompt).strip())
+
+
+def _math_verify(text: str, item: Item) -> float:
+    """1 if the last ``\\boxed{}`` answer equals the item's answer by math-verify, else 0."""
+    from math_verify import parse, verify
+
+    answer = extract_boxed(text)
+    if answer is None:
+        return 0.0
+    return float(verify(parse(gold_latex(item.answer)), parse(f"\\boxed{{{answer}}}")))
+
+
+def _boxed_format(text: str, item: Item) -> float:
+    """1 if the response gives a ``\\boxed{}`` answer, else 0."""
+    return float(extract_boxed(text) is not None)
 
 
 def gold_latex(answer: str) -> str:
@@ -331,9 +376,12 @@ def render_messages(question: str, task_cfg) -> list[dict]:
     return messages + [{"role": "user", "content": user(question)}]
 
 
-def prompt_ids(tokenizer, question: str, task_cfg) -> list[int]:
-    """Token ids of the rendered prompt (chat template with generation prompt, or plain text)."""
-    messages = render_messages(question, task_cfg)
+def prompt_ids(tokenizer, prompt: str | list, task_cfg) -> list[int]:
+    """Token ids of the rendered prompt (chat template with generation prompt, or plain text).
+
+    ``prompt`` is a question (rendered with the task's instruction, few-shot turns and system
+    prompt) or a list of chat messages (used as they are): an :attr:`Item.prompt`."""
+    messages = prompt if isinstance(prompt, list) else render_messages(prompt, task_cfg)
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -3,12 +3,15 @@
 Each stage: push weights to the engine (the stage's only sync) -> generate every prompt of the
 stage once, with behaviour log-probs -> score -> group advantages -> persist the stage dataset ->
 release the engine -> mu optimizer updates on the static data, ratios always against the STORED
-behaviour log-probs. ``grpo`` is this loop with mu = 4.
+behaviour log-probs. ``grpo`` is this loop with mu = 4. With ``schedule.adaptive`` a stage may end
+before mu updates when a drift guard trips (:mod:`mugrpo.adaptive`); the run always ends after
+``total_updates``.
 
 What lives elsewhere: the math (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`,
 :mod:`mugrpo.advantages`), the schedule arithmetic (:mod:`mugrpo.plan`), persistence of stage
-data (:mod:`mugrpo.data`), checkpoints (:mod:`mugrpo.checkpoint`), engines
-(:mod:`mugrpo.engines`), and multi-process concerns (:mod:`mugrpo.distributed`).
+data (:mod:`mugrpo.data`), the optional trainer-side behaviour log-probs with TIS
+(:mod:`mugrpo.tis`), checkpoints (:mod:`mugrpo.checkpoint`), engines (:mod:`mugrpo.engines`), and
+multi-process concerns (:mod:`mugrpo.distributed`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import torch
 from mugrpo import checkpoint as ckpt
 from mugrpo import data as data_files
 from mugrpo import distributed as dist
-from mugrpo import seeds
+from mugrpo import seeds, tis
+from mugrpo.adaptive import end_reason, stage_length
 from mugrpo.advantages import group_advantages, zero_variance_groups
 from mugrpo.batching import micro_batches, sequences_to_train
 from mugrpo.checkpoint import RunState
@@ -37,10 +41,12 @@ from mugrpo.forward import response_logprobs, shared_prefix_support
 from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.losses import LossSettings, finalize_metrics, policy_loss
 from mugrpo.loggers import NullLogger, make_logger
+from mugrpo import lora
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
-from mugrpo.tasks import build_task, limit_prompts, prompt_ids
+from mugrpo.rewards import per_reward_counts, per_reward_metrics
+from mugrpo.tasks import Task, build_task, limit_prompts, prompt_ids
 from mugrpo.veto import veto_mask
 
 
@@ -52,8 +58,10 @@ class TrainingError(UserError, RuntimeError):
 # The loop.
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
-    """Run (or resume) a training run in ``run_dir``; returns the final model folder."""
+def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = None) -> Path:
+    """Run (or resume) a training run in ``run_dir``; returns the final model folder.
+
+    ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s."""
     run_dir = Path(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
@@ -70,7 +78,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
         model_path = dist.broadcast_object(model_path)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        policy = load_policy(model_path, cfg.model.trust_remote_code)
+        policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
         ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
         if cfg.model.gradient_checkpointing:
             policy.gradient_checkpointing_enable()
@@ -78,7 +86,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         if ref_model is not None:
             ref_model = dist.prepare_frozen(ref_model, cfg, world)
         optimizer, scheduler = build_optimizer(policy, cfg, plan)
-        task = build_task(cfg.task)
+        task = task or build_task(cfg.task)
         engine = make_engine(resolved.engine, model_path, tokenizer,
                              dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype), seed=cfg.train.seed)
         state = RunState()
@@ -113,13 +121,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
         # the optimisation phase (taken off perf/optimize_s).
         ckpt_s, ckpt_in_opt_s = 0.0, 0.0
         evaluator.maybe_run(state)  # the initial policy (eval.at_start)
-        while state.stage < plan.num_stages:
+        while state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             stage_dir = data_files.stage_dir(run_dir, state.stage)
             data, stage_metrics = load_or_generate_stage(state, stage_dir, policy, engine, task, tokenizer,
-                                                         cfg, plan, world, progress, stopper)
+                                                         cfg, plan, world, progress, stopper, resolved)
             t_opt = time.perf_counter()
-            bar = progress.bar(plan.updates_per_stage, f"stage {state.stage} optimise", initial=state.update_in_stage)
-            while state.update_in_stage < plan.updates_per_stage:
+            max_length = stage_length(plan.updates_per_stage, plan.total_updates, state.update - state.update_in_stage)
+            bar = progress.bar(max_length, f"stage {state.stage} optimise", initial=state.update_in_stage)
+            reason = None  # why the stage ends, decided after each update and before any checkpoint
+            while reason is None:
                 t_update = time.perf_counter()
                 metrics = optimizer_update(policy, optimizer, scheduler, data, state, cfg, plan, world, device,
                                            ref_model, resolved)
@@ -127,33 +137,35 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                 state.update_in_stage += 1
                 metrics.update({"perf/update_s": time.perf_counter() - t_update, "stage/staleness":
                                 state.update_in_stage - 1})
-                if state.update_in_stage == 1:
-                    stage_metrics["stage/engine_logprob_mismatch"] = metrics.get("loss/log_ratio_abs_mean")
+                if state.update_in_stage == 1:  # with trainer log-probs: set at stage start (mugrpo.tis)
+                    stage_metrics.setdefault("stage/engine_logprob_mismatch", metrics.get("loss/log_ratio_abs_mean"))
+                reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, max_length)
                 logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
                 progress.update(bar, metrics)
                 maybe_die("update")
-                evaluator.maybe_run(state)
+                evaluator.maybe_run(state, stage_ends=reason is not None)
                 interrupted = stopper.requested
                 due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
-                if (due or interrupted) and state.update_in_stage < plan.updates_per_stage:
+                if (due or interrupted) and reason is None:  # a stage's end is checkpointed below
                     seconds = save()
                     ckpt_s += seconds
                     ckpt_in_opt_s += seconds
                 if interrupted:
                     break
             progress.close(bar)
-            if stopper.requested and state.update_in_stage < plan.updates_per_stage:
+            if reason is None:  # stopped mid-stage, checkpointed above
                 raise ckpt.Interrupted(run_dir)
+            stage_metrics.update(_stage_end_metrics(reason, state, data, plan, world))
             stage_metrics["perf/optimize_s"] = time.perf_counter() - t_opt - evaluator.in_loop_s - ckpt_in_opt_s
             stage_metrics["perf/eval_s"] = evaluator.finish_stage(state)
             stage_metrics["perf/checkpoint_s"] = ckpt_s
-            logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=plan.updates_per_stage))
+            logger.log(_record("stage", state, t_start, stage_metrics, update_in_stage=state.update_in_stage))
             if world.is_main:
                 progress.stage_summary(state.stage, stage_metrics)
             state.stage += 1
             state.update_in_stage = 0
             ckpt_s, ckpt_in_opt_s = save(), 0.0
-            if stopper.requested and state.stage < plan.num_stages:
+            if stopper.requested and state.update < plan.total_updates:
                 raise ckpt.Interrupted(run_dir)
         if state.update and state.num_skipped_updates >= state.update:
             raise TrainingError(f"all {state.update} updates of this run were skipped for a non-finite loss or "
@@ -178,11 +190,21 @@ def train(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
                   "from, so the corrected command can be run again")
 
 
+def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan, world) -> dict:
+    """How the stage ended (:mod:`mugrpo.adaptive`) and how much of its data the updates drew:
+    ``stage/passes_used`` = prompt groups drawn / groups in the stage (below 1: some never used)."""
+    num_groups = float(dist.sum_over_ranks(torch.tensor([float(data.num_groups)]))[0])
+    return {"stage/end_reason": reason, "stage/ended_early": float(reason in ("kl", "neg_ratio")),
+            "stage/num_updates": state.update_in_stage,
+            "stage/passes_used": state.update_in_stage * plan.prompts_per_update / max(num_groups, 1.0)}
+
+
 def _layout_notes(policy, cfg: Config) -> list[str]:
+    notes = [lora.describe(policy)] if lora.has_lora(policy) else []
     if not cfg.train.shared_prefix:
-        return []
+        return notes
     supported, _, reason = shared_prefix_support(policy)
-    return [] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"]
+    return notes + ([] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"])
 
 
 def _record(kind: str, state: RunState, t_start: float, metrics: dict, update_in_stage: int) -> dict:
@@ -221,11 +243,14 @@ def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
 
 
 def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, task, tokenizer, cfg: Config,
-                           plan: Plan, world, progress, stopper=None) -> tuple[StageData, dict]:
-    """The stage's data: read back if persisted (resume), else sync -> generate -> score -> persist."""
+                           plan: Plan, world, progress, stopper=None, resolved: Resolved | None = None
+                           ) -> tuple[StageData, dict]:
+    """The stage's data: read back if persisted (resume), else sync -> generate -> score -> [recompute
+    the behaviour log-probs with the trainer (``loss.behavior_logprobs=trainer``)] -> persist."""
     data = dist.load_stage_shards(stage_dir, world)
     if data is not None:
-        return data, {"stage/resumed": 1.0, **_stage_stats(data, world)}
+        return data, {"stage/resumed": 1.0, **_stage_stats(data, world), **tis.stage_metrics(data, cfg, world,
+                                                                                              stage_dir)}
     indices, prompts = _stage_prompts(state, task, tokenizer, cfg, plan, world)
     r = cfg.rollout
     t0 = time.perf_counter()
@@ -262,6 +287,12 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         data = data.subset([g for g in range(data.num_groups) if not zero_var[g]])
     stats["stage/num_groups_trained"] = data.num_groups
     t_score = time.perf_counter()
+    if cfg.loss.behavior_logprobs == "trainer":
+        resolved = resolved or resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect())
+        data = tis.recompute_trainer_logprobs(policy, data, cfg, world, dist.train_device(world),
+                                              resolved.autocast == "bf16")
+        stats.update(tis.stage_metrics(data, cfg, world, stage_dir))
+        stats["perf/recompute_s"] = time.perf_counter() - t_score
     dist.save_stage_shard(data, stage_dir, world)
     if cfg.train.save_stage_text:
         write_stage_text(data_files.text_path(stage_dir, world.rank, world.size), data, tokenizer, task.items)
@@ -269,14 +300,16 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         print(f"[mugrpo] warning: the reward function raised {score_stats.num_errors} time(s) in stage "
               f"{state.stage} (scored 0); first traceback:\n{score_stats.first_error}")
     num_new = sum(len(c.token_ids) for c in flat)
+    names = [r.name for r in task.rewards] if len(task.rewards) > 1 or cfg.task.rewards else []
     counts = dist.sum_over_ranks(torch.tensor([
         score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
-        score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts)], dtype=torch.float64)).tolist()
+        score_stats.num_scored, plan.prompts_per_stage // world.size - len(prompts),
+        *per_reward_counts(score_stats, names)], dtype=torch.float64)).tolist()
     num_failed = int(counts[0] + counts[1] + counts[2])
-    if num_failed and num_failed == int(counts[4]) and world.is_main:
+    if num_failed and num_failed == int(counts[4]) * len(task.rewards) and world.is_main:
         print(f"[mugrpo] warning: stage {state.stage}: all {num_failed} rewards failed and scored 0 "
               f"({int(counts[0])} errors, {int(counts[1])} timeouts, {int(counts[2])} invalid values), so nothing "
-              "is learned from this stage. Check task.reward_fn (any traceback is printed above), "
+              "is learned from this stage. Check task.reward_fn / task.rewards (any traceback is printed above), "
               "task.reward_timeout_s, and that the scorer returns a finite number")
     stats.update({
         "perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
@@ -284,6 +317,7 @@ def load_or_generate_stage(state: RunState, stage_dir: Path, policy, engine, tas
         "reward/num_errors": int(counts[0]), "reward/num_timeouts": int(counts[1]),
         "reward/num_invalid": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
         "stage/num_prompts_skipped": int(counts[5]),
+        **per_reward_metrics(names, counts[6:], counts[4]),
     })
     return data, stats
 
@@ -292,7 +326,7 @@ def _stage_prompts(state: RunState, task, tokenizer, cfg: Config, plan: Plan, wo
     """This rank's share of the stage's prompt draw (whole groups), tokenised, the length rule applied."""
     gen = torch.Generator().manual_seed(seeds.prompt_draw(cfg.train.seed, state.stage))
     indices = dist.generation_share(task.sample(plan.prompts_per_stage, gen), world)
-    prompts = [prompt_ids(tokenizer, task.items[i].question, cfg.task) for i in indices]
+    prompts = [prompt_ids(tokenizer, task.items[i].prompt, cfg.task) for i in indices]
     prompts, kept = limit_prompts(prompts, cfg.task, "training")
     return [indices[i] for i in kept], prompts
 
@@ -355,8 +389,10 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
             if ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs, _ = response_logprobs(ref_model, mb, cfg.rollout.temperature, autocast, False, False)
-            loss, metrics = policy_loss(logprobs, mb.behavior_logprobs, mb.advantages, mb.response_mask, settings,
-                                        denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy)
+            old_logprobs, is_weights = tis.ratio_inputs(mb, lc)
+            loss, metrics = policy_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask, settings,
+                                        denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy,
+                                        is_weights=is_weights)
             if poison:
                 loss = loss * float("nan")
             if i >= real:  # a filler pass: the collectives run, nothing is added
@@ -448,7 +484,7 @@ def _kept_after_veto(policy, batches, real: int, cfg: Config, autocast: bool, to
         logprobs, _ = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, False, False)
         if i >= real:
             continue
-        veto = veto_mask(logprobs - mb.behavior_logprobs, mb.advantages, mb.response_mask,
+        veto = veto_mask(logprobs - tis.ratio_inputs(mb, cfg.loss)[0], mb.advantages, mb.response_mask,
                          delta=cfg.loss.veto_delta, scope=cfg.loss.veto_scope)
         keep = mb.response_mask & ~veto.vetoed
         kept += float(keep.sum()) if token_mean else float(keep.any(1).sum())

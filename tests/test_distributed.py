@@ -216,3 +216,48 @@ def test_two_process_run_learns_exports_one_hf_folder_and_resumes(two_rank_run, 
     uninterrupted, again = _weights(two_rank_run), _weights(resumed)
     for name, value in uninterrupted.items():
         torch.testing.assert_close(again[name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_two_ranks_take_the_same_adaptive_stage_decisions(tiny_model, tmp_path):
+    # The guard reads the update's metrics after their all-reduce, so both ranks end each stage at the
+    # same update (a rank that went on alone would block in the next collective until the timeout).
+    # kl_max 1e-12 trips at every update from the second on; min 3 updates: stages of 3, 3 and 2 (budget).
+    run = tmp_path / "run"
+    _mugrpo(2, ["--run-dir", str(run), f"model.name={tiny_model}", *COMMON, "schedule.total_updates=8",
+                "schedule.num_stages=1", "schedule.adaptive=kl", "schedule.adaptive_kl_max=1e-12",
+                "schedule.adaptive_min_updates=3", "train.save_final_model=false"])
+    stages = _records(run, "stage")
+    assert [(s["stage/num_updates"], s["stage/end_reason"]) for s in stages] == [(3, "kl"), (3, "kl"), (2, "budget")]
+    assert [r["update"] for r in _records(run, "update")] == list(range(1, 9))
+    # Both ranks' shards counted: 64 prompt groups per stage (mu 8 x 8), 3 x 8 of them drawn.
+    assert stages[0]["stage/passes_used"] == 24 / 64
+
+
+@pytest.mark.distributed
+def test_two_process_lora_run_matches_one_process_and_exports_merged_weights(tiny_model, tmp_path):
+    # FSDP2 shards each decoder layer with its frozen base weights and trainable adapters in one unit.
+    # One process resumes the 2-rank run from its start on the same stage data: same updates.
+    run = tmp_path / "two"
+    _mugrpo(2, ["--run-dir", str(run), f"model.name={tiny_model}", *COMMON, "schedule.total_updates=8",
+                "schedule.num_stages=2", "schedule.micro_batch_size=8", "lora.rank=4", "optim.lr=1e-2"])
+    one = _resume_copy(run, tmp_path / "one", None)
+    _mugrpo(1, ["--resume", str(one)])
+    updates_two, updates_one = _records(run, "update"), _records(one, "update")
+    assert [r["update"] for r in updates_two] == [r["update"] for r in updates_one] == list(range(1, 9))
+    for a, b in zip(updates_two, updates_one):  # tolerances as in the full fine-tuning test above
+        for key in ("loss/total", "optim/grad_norm", "loss/kl_behavior"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["update"], key)
+    # Checkpoints hold the adapters alone; the export is the plain model with them merged in.
+    ckpt = sorted((run / "checkpoints").glob("ckpt_*"))[-1]
+    assert all(".lora_" in name for name in load_file(str(ckpt / "model.safetensors")))
+    w2, w1, w0 = _weights(run), _weights(one), load_file(str(tiny_model / "model.safetensors"))
+    assert w2.keys() == w1.keys() == w0.keys()
+    for name in w0:
+        if name.endswith("_proj.weight"):  # the targeted layers moved, identically in both runs
+            assert not torch.equal(w2[name], w0[name]), name
+            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-5)
+        else:
+            assert torch.equal(w2[name], w0[name]), name
+    adapter = load_file(str(run / "final_model" / "adapter" / "adapter_model.safetensors"))
+    assert len(adapter) == 28 and all(k.startswith("base_model.model.model.layers.") for k in adapter)

@@ -93,3 +93,13 @@ def test_hf_spec_parsing_and_helpers():
     assert split_specs(["math500,aime24", " rg:chain_sum "]) == ["math500", "aime24", "rg:chain_sum"]
     assert detect_columns(["question", "Answer"], ("question", "answer")) == ("question", "Answer")
     assert detect_columns(["q", "a", "problem", "answer"], ("q", "a")) == ("q", "a")  # configured keys win
+
+
+def test_evaluation_of_a_run_with_several_rewards_scores_correctness_alone():
+    from mugrpo.config import TaskConfig
+    from mugrpo.eval_sets import resolve
+
+    base = TaskConfig(size=4, eval_size=2, rewards=[{"fn": "correctness"}, {"fn": "python:somewhere.gone", "weight": 5}])
+    es = resolve("train", base)
+    right = f"\\\\boxed{{{es.items[0].answer}}}"
+    assert es.task.score_all([right, "x"], es.items[:1] * 2)[0].tolist() == [1.0, 0.0]

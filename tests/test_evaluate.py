@@ -117,7 +117,7 @@ def _simulate(overrides):
     for stage in range(plan.num_stages):
         for i in range(1, plan.updates_per_stage + 1):
             update += 1
-            ev.maybe_run(_State(stage, update, i))
+            ev.maybe_run(_State(stage, update, i), stage_ends=i == plan.updates_per_stage)
         stage_s.append(ev.finish_stage(_State(stage, update, plan.updates_per_stage)))
     assert engine.loaded == 2 * len(logged)  # the weights (weight and bias) are pushed before each eval
     return [r["update"] for r in logged], stage_s, logged

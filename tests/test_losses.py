@@ -277,3 +277,37 @@ def test_sequence_level_ratio_is_taken_over_the_tokens_the_veto_keeps():
     loss.backward()
     torch.testing.assert_close(x.grad, torch.tensor([[1e-5 / 3, 0.0, 0.0]]), rtol=1e-5, atol=0)
     assert finalize_metrics(m)["loss/veto_token_frac"] == pytest.approx(2 / 3)
+
+
+def test_truncated_importance_weights_scale_the_surrogate_by_hand():
+    # Relaxed [0, 5], token-mean over 4 tokens, veto off. rho = [[2, 1], [1, 0.5]], A = [+1, -1]:
+    # surrogate [[-2, -1], [1, 0.5]]; weights [[0.5, 2], [1.5, 0.1]] -> [[-1, -2], [1.5, 0.05]],
+    # sum -1.45, / 4 = -0.3625. Gradient wrt log pi (rho unclipped): -A * rho * w / 4
+    # = [[-2*0.5/4, -1*2/4], [1*1.5/4, 0.5*0.1/4]] = [[-0.25, -0.5], [0.375, 0.0125]].
+    behavior = torch.zeros(2, 2)
+    logprobs = torch.tensor([[math.log(2.0), 0.0], [0.0, math.log(0.5)]], requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0], [1.5, 0.1]], requires_grad=True)
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool)
+    settings = LossSettings.from_config(LossConfig(veto_scope="none"), 1)
+    loss, metrics = policy_loss(logprobs, behavior, adv, mask, settings, denominator=4.0, is_weights=weights)
+    torch.testing.assert_close(loss, torch.tensor(-0.3625))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -0.5], [0.375, 0.0125]]))
+    assert weights.grad is None  # the weight is a detached constant
+    # Unit weights: bit-identical to no weights, loss and gradient.
+    x1, x2 = (logprobs.detach().clone().requires_grad_(True) for _ in range(2))
+    plain, _ = policy_loss(x1, behavior, adv, mask, settings, denominator=4.0)
+    ones, _ = policy_loss(x2, behavior, adv, mask, settings, denominator=4.0, is_weights=torch.ones(2, 2))
+    plain.backward()
+    ones.backward()
+    assert plain.item() == ones.item() and x1.grad.equal(x2.grad)
+
+
+def test_truncated_importance_weight_leaves_zero_advantage_tokens_inert():
+    # A = 0: surrogate -min(rho * 0, clip(rho) * 0) = 0, times any weight is still 0, gradient 0.
+    logprobs = torch.tensor([[0.3, -0.2]], requires_grad=True)
+    settings = LossSettings.from_config(LossConfig(), 1)
+    loss, _ = policy_loss(logprobs, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
+                          settings, denominator=2.0, is_weights=torch.tensor([[2.0, 0.1]]))
+    loss.backward()
+    assert loss.item() == 0.0 and not logprobs.grad.any()

@@ -88,3 +88,22 @@ def test_speedup_table_from_a_run_twice_as_slow(tmp_path):
 def test_report_cli_rejects_a_folder_without_metrics(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_diagnostics_against_the_position_in_the_stage_by_hand(tmp_path):
+    run = rd.load_run(_run_dir(tmp_path, "a", _records()))
+    rows = rd.by_position(run, "eval/greedy_acc")
+    assert [(r["first"], r["num_updates"], r["num_evals"]) for r in rows] == [(0, 2, 3), (1, 2, 0)]
+    # Position 0: updates 1 and 3, E[rho|A<0] = 1 - 0.1 x 0 = 1.0; position 1: updates 2 and 4 (the
+    # re-logged 4 counted once) = 0.9. Evaluations (update_in_stage 0 here): (0.1 + 0.4 + 0.6) / 3.
+    assert rows[0]["loss/ratio_mean_neg"] == pytest.approx(1.0) and rows[1]["loss/ratio_mean_neg"] == pytest.approx(0.9)
+    assert rows[0]["eval/greedy_acc"] == pytest.approx(1.1 / 3)
+    assert rows[1]["eval/greedy_acc"] != rows[1]["eval/greedy_acc"]  # NaN: nothing evaluated there
+    assert rows[0]["loss/kl_behavior"] != rows[0]["loss/kl_behavior"]  # NaN: not logged in these records
+    # Binned: at most one row here, positions 0-1 together, means over all four updates.
+    (both,) = rd.by_position(run, None, max_rows=1)
+    assert (both["first"], both["last"], both["num_updates"]) == (0, 1, 4)
+    assert both["loss/ratio_mean_neg"] == pytest.approx(0.95) and "eval/greedy_acc" not in both
+    out = tmp_path / "report"
+    write_report([run], out)
+    assert "Drift against the position in the stage" in (out / "summary.md").read_text()

@@ -113,7 +113,8 @@ def test_task_sampling_is_seeded_and_covers_the_pool():
     task = build_task(TaskConfig(size=10, eval_size=1))
     a = task.sample(25, torch.Generator().manual_seed(3))
     b = task.sample(25, torch.Generator().manual_seed(3))
-    assert a == b and sorted(a[:10]) == list(range(10))  # first 10 draws are a permutation
+    n = len(task.items)  # 10, less any item whose question is held out
+    assert n >= 8 and a == b and sorted(a[:n]) == list(range(n))  # the first n draws are a permutation
 
 
 @pytest.mark.parametrize("source,needle", [
@@ -142,3 +143,37 @@ def test_upper_case_jsonl_suffix_is_a_jsonl_file(tmp_path):
     rows = [{"question": f"{i} + 1", "answer": str(i + 1)} for i in range(4)]
     task = build_task(TaskConfig(kind="math", name=_write_jsonl(tmp_path / "D.JSONL", rows), eval_size=0))
     assert [item.answer for item in task.items] == ["1", "2", "3", "4"]
+
+
+def _questions(items):
+    return {" ".join(i.question.split()).casefold() for i in items}
+
+
+def test_default_task_held_out_never_occurs_in_training(capsys):
+    # The default task has 242 distinct questions and its seed+1 draw repeats training ones: the
+    # held-out set takes questions out of training, up to a third of them (80), and says so.
+    task = build_task(TaskConfig())
+    train_q, held_q = _questions(task.items), _questions(task.eval_items)
+    assert not train_q & held_q
+    assert len(task.eval_items) == len(held_q) == 242 // 3
+    assert len(train_q) == 242 - 242 // 3
+    assert "80 held-out items instead of task.eval_size=200" in capsys.readouterr().out
+
+
+def test_large_task_keeps_its_full_held_out_set():
+    cfg = TaskConfig(params={"min_terms": 3, "max_terms": 3, "min_digits": 2, "max_digits": 3}, size=2000, eval_size=50)
+    task = build_task(cfg)
+    assert len(task.eval_items) == 50 and not _questions(task.items) & _questions(task.eval_items)
+
+
+def test_math_rows_repeated_across_the_split_leave_training(tmp_path):
+    # Rows 0..9 are distinct; rows 10..11 repeat questions 0 and 1 (up to case and spaces), and
+    # land in the held-out tail: questions 0 and 1 must leave training, the held-out set is deduplicated.
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]
+    rows += [{"question": "what is 0  + 1?", "answer": "1"}, {"question": "What is 1 + 1?", "answer": "2"},
+             {"question": "What is 1 + 1?", "answer": "2"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    task = build_task(TaskConfig(kind="math", name=str(path), eval_size=3, few_shot=[]))
+    assert [i.question for i in task.eval_items] == ["what is 0  + 1?", "What is 1 + 1?"]
+    assert [i.question for i in task.items] == [f"What is {i} + 1?" for i in range(2, 10)]

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.evaluate import sample_pass1
+    from mugrpo import seeds
     from mugrpo.config import load_config
     from mugrpo.plan import make_plan
     from mugrpo.tasks import build_task, prompt_ids, render_messages
@@ -64,10 +65,10 @@ def main(argv=None) -> int:
         f"train.seed={args.seed}", f"task.eval_size={args.eval_prompts}"])
     plan = make_plan(cfg)
     task = build_task(cfg.task)
-    # mugrpo's stage prompts (trainer.load_or_generate_stage samples them with this generator).
+    # mugrpo's stage prompts (trainer._stage_prompts draws them with this generator).
     order = []
     for stage in range(plan.num_stages):
-        gen = torch.Generator().manual_seed(cfg.train.seed * 1_000_003 + stage)
+        gen = torch.Generator().manual_seed(seeds.prompt_draw(cfg.train.seed, stage))
         order += task.sample(plan.prompts_per_stage, gen)
     dataset = Dataset.from_list([{"prompt": render_messages(task.items[i].question, cfg.task), "item_index": i}
                                  for i in order])

@@ -7,6 +7,7 @@ Files are named after the JSON (``toy_lab.json`` -> ``toy_lab_presets.png`` ...)
   E[rho | A < 0] per update (the paper's collapse signature).
 - ``toy_lab_scopes.png``: the same for the veto scopes, with the vetoed and trigger token fractions.
 - ``toy_lab_delta.png``: final and peak pass@1 against delta.
+- With the ``adaptive`` group run, its experiments join the presets figure.
 
 ``python -m benchmarks.toy_lab.plot [results.json]`` redraws them and prints the summary table.
 """
@@ -25,7 +26,7 @@ import numpy as np  # noqa: E402
 
 COLORS = {"grpo": "black", "grpo-stale": "tab:gray", "grpo-stale-relaxed": "tab:red", "m2po": "tab:orange",
           "mu-grpo": "tab:blue", "veto=trigger": "tab:purple", "veto=sequence": "tab:green",
-          "veto=suffix_nontrigger": "tab:cyan"}
+          "veto=suffix_nontrigger": "tab:cyan", "adaptive-kl=0.01": "tab:green", "adaptive-kl=0.03": "tab:olive"}
 
 
 def _curves(runs, name, x_key, y_key, series):
@@ -92,6 +93,7 @@ def plot_all(path: Path) -> list[Path]:
              f"stale mu={mu}, lr={size['lr']:g}")
 
     presets = [n for n in ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo") if n in names]
+    presets += sorted(n for n in names if n.startswith("adaptive-"))  # the adaptive group, beside its presets
     scopes = [n for n in ("grpo-stale-relaxed", "veto=trigger", "mu-grpo", "veto=suffix_nontrigger", "veto=sequence")
               if n in names]
     groups = [("presets", presets, [("loss/kl_behavior", "KL(pi_b || pi_theta) per token (k3, log)", True),

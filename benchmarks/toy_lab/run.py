@@ -11,7 +11,10 @@ stale ones share the same mu):
 - ``presets``: grpo (mu = 4), grpo-stale, grpo-stale-relaxed, m2po, mu-grpo;
 - ``scopes``:  mu-grpo with the veto scope trigger / sequence / suffix_nontrigger (suffix is mu-grpo
   itself, none is grpo-stale-relaxed);
-- ``delta``:   mu-grpo with other ``loss.veto_delta`` values (1e-4 is mu-grpo itself).
+- ``delta``:   mu-grpo with other ``loss.veto_delta`` values (1e-4 is mu-grpo itself);
+- ``adaptive``: mu-grpo with adaptive stages (``schedule.adaptive=kl``): mu is the longest stage, a
+  stage ends once the KL guard trips, never before grpo's mu updates (not in the default groups;
+  ``--groups presets,adaptive --out benchmarks/results/toy_lab_adaptive.json``).
 
 Each run is ``mugrpo.trainer.train`` with a config built by ``load_config(preset, overrides=...)``.
 The only addition is an evaluation of the *current* policy every ``--eval-every`` updates on a fixed
@@ -59,6 +62,8 @@ DELTAS = (0.5, 1e-1, 1e-2, 1e-3, 1e-6)
 LONG_GRID = ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo")
 LONG_DELTAS = (1e-2, 1e-3)
 PAPER_PRESETS = ("grpo", "grpo-stale-relaxed", "mu-grpo")
+ADAPTIVE_KL = (0.01, 0.03)
+"""``schedule.adaptive_kl_max`` values of the ``adaptive`` group (grpo's in-stage KL stays below ~0.01)."""
 
 
 @dataclass
@@ -110,6 +115,9 @@ def experiments(groups: list[str]) -> list[tuple[str, str, str, list[str]]]:
         out += [("long", f"delta={d:g}", "mu-grpo", [f"loss.veto_delta={d}"]) for d in LONG_DELTAS]
     if "long_paper" in groups:
         out += [("long_paper", f"{p}@paper-lr", p, ["@paper_lr"]) for p in PAPER_PRESETS[::-1]]
+    if "adaptive" in groups:
+        out += [("adaptive", f"adaptive-kl={k:g}", "mu-grpo", ["schedule.adaptive=kl", f"schedule.adaptive_kl_max={k}",
+                 "schedule.adaptive_min_updates=4"]) for k in ADAPTIVE_KL]
     return out
 
 
@@ -133,7 +141,7 @@ UPDATE_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_fr
                "loss/trigger_frac", "loss/clip_frac_low", "loss/clip_frac_high", "loss/kl_behavior",
                "loss/entropy", "optim/grad_norm", "loss/m2po_tau", "loss/first_trigger_pos", "update_in_stage")
 STAGE_KEYS = ("perf/generate_s", "perf/optimize_s", "perf/sync_s", "perf/generate_tok_s", "stage/response_len_mean",
-              "stage/num_sequences", "stage/truncated_frac")
+              "stage/num_sequences", "stage/truncated_frac", "stage/num_updates", "stage/end_reason")
 
 
 def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSize, model_dir: Path,
@@ -209,6 +217,7 @@ def summarise(runs: list[dict]) -> dict:
                      "initial_pass1": rs[0]["eval"][0]["pass1"], "final_pass1": stat(finals),
                      "peak_pass1": stat(peaks), "drop_from_peak": stat([p - f for p, f in zip(peaks, finals)]),
                      "late_ratio_mean_neg": stat(neg), "veto_token_frac_mean": stat(veto),
+                     "num_stages": stat([len(r["stages"]) for r in rs]),
                      "train_s": stat([r["train_s"] for r in rs])}
     return out
 
@@ -238,7 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--setting", choices=("short", "long"), default="short",
                     help="short: the original lab (2-term sums); long: worked chain sums of 88-126 tokens (median 112)")
     ap.add_argument("--groups", default=None,
-                    help="comma list of presets, scopes, delta (short) or long, long_paper (long); default: all")
+                    help="comma list of presets, scopes, delta, adaptive (short) or long, long_paper (long); default: all")
     ap.add_argument("--keep", nargs="*", default=None, metavar="NAME:SEED",
                     help="keep these runs' folders under benchmarks/cache/toy_lab/kept (long default: "
                          "mu-grpo:0 grpo-stale-relaxed:0)")
