@@ -25,7 +25,15 @@ subtracted from the run's clock.
 
 Output: ``benchmarks/results/toy_lab.json`` (settings, machine, every run's curves, a summary per
 experiment) and PNG figures next to it (:mod:`benchmarks.toy_lab.plot`). Run folders are temporary
-(``benchmarks/cache/toy_lab/runs``) and removed after each run.
+(``benchmarks/cache/toy_lab/runs``) and removed after each run, except those named by ``--keep``.
+
+``--setting long`` is the long-response lab of issue 13 (:mod:`benchmarks.toy_lab.long_task`: chain
+sums with worked answers of 88-126 tokens (median 112), one stage of mu = 64, its own warm start), with its own groups
+(``long``: the full grid at ``--lr``; ``long_paper``: grpo, grpo-stale-relaxed and mu-grpo at
+``--paper-lr``, where S x lr matches the paper's 1024 x 1e-6) and its own defaults
+(:data:`LONG_SIZE`); it writes ``benchmarks/results/toy_lab_long.json`` and keeps the run folders of
+mu-grpo and grpo-stale-relaxed at seed 0 (stage rollouts and the final checkpoint) for
+:mod:`benchmarks.toy_lab.triggers`.
 """
 
 from __future__ import annotations
@@ -44,13 +52,16 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.toy_lab import warmstart
+from benchmarks.toy_lab import long_task, warmstart
 from benchmarks.evaluate import UpdateEvaluator, patched_trainer
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 PRESETS = ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo")
 SCOPES = ("trigger", "sequence", "suffix_nontrigger")
 DELTAS = (0.5, 1e-1, 1e-2, 1e-3, 1e-6)
+LONG_GRID = ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo")
+LONG_DELTAS = (1e-2, 1e-3)
+PAPER_PRESETS = ("grpo", "grpo-stale-relaxed", "mu-grpo")
 ADAPTIVE_KL = (0.01, 0.03)
 """``schedule.adaptive_kl_max`` values of the ``adaptive`` group (grpo's in-stage KL stays below ~0.01)."""
 
@@ -75,6 +86,16 @@ class LabSize:
     eval_samples: int = 2
     threads: int = 1
     """torch threads; 1 is faster than 2 on a 2-core machine that others share (measured)."""
+    paper_lr: float = 0.0
+    """lr of the ``long_paper`` group (0: not used)."""
+
+
+LONG_SIZE = LabSize(total_updates=64, stale_stages=1, prompts_per_update=2, lr=1.5e-4, eval_every=16,
+                    eval_prompts=128, eval_samples=1, paper_lr=1.6e-5)
+"""The long setting: one stage of mu = 64 for the stale runs (grpo: 16 refreshes of mu = 4),
+2 prompts x G = 8 per update (sized to the shared 2-core machine: a run is about 1M generated and
+trained tokens). lr 1.5e-4 gives S x lr = 64 x 1.5e-4 = 9.6e-3, 9.6x the paper's 1024 x 1e-6;
+paper_lr 1.6e-5 gives 1.0e-3, the paper's."""
 
 
 def experiments(groups: list[str]) -> list[tuple[str, str, str, list[str]]]:
@@ -86,18 +107,26 @@ def experiments(groups: list[str]) -> list[tuple[str, str, str, list[str]]]:
         out += [("scopes", f"veto={s}", "mu-grpo", [f"loss.veto_scope={s}"]) for s in SCOPES]
     if "delta" in groups:
         out += [("delta", f"delta={d:g}", "mu-grpo", [f"loss.veto_delta={d}"]) for d in DELTAS]
+    if "long" in groups:
+        # most telling first: a partial grid then still answers claims 1-3
+        out += [("long", p, p, []) for p in LONG_GRID[:1] + LONG_GRID[2:3] + LONG_GRID[4:]]
+        out += [("long", "veto=trigger", "mu-grpo", ["loss.veto_scope=trigger"])]
+        out += [("long", p, p, []) for p in LONG_GRID[1:2] + LONG_GRID[3:4]]
+        out += [("long", f"delta={d:g}", "mu-grpo", [f"loss.veto_delta={d}"]) for d in LONG_DELTAS]
+    if "long_paper" in groups:
+        out += [("long_paper", f"{p}@paper-lr", p, ["@paper_lr"]) for p in PAPER_PRESETS[::-1]]
     if "adaptive" in groups:
         out += [("adaptive", f"adaptive-kl={k:g}", "mu-grpo", ["schedule.adaptive=kl", f"schedule.adaptive_kl_max={k}",
                  "schedule.adaptive_min_updates=4"]) for k in ADAPTIVE_KL]
     return out
 
 
-def base_overrides(size: LabSize, model_dir: Path, spec: warmstart.WarmStartSpec, preset: str, seed: int
+def base_overrides(size: LabSize, model_dir: Path, spec, preset: str, seed: int, setting=warmstart
                    ) -> list[str]:
     schedule = ([f"schedule.updates_per_stage={size.grpo_mu}", "schedule.num_stages=null"] if preset == "grpo"
                 else [f"schedule.num_stages={size.stale_stages}", "schedule.updates_per_stage=null"])
     seqs = size.prompts_per_update * size.group_size
-    return warmstart.task_overrides(spec) + schedule + [
+    return setting.task_overrides(spec) + schedule + [
         f"model.name={model_dir}", f"schedule.total_updates={size.total_updates}",
         f"schedule.prompts_per_update={size.prompts_per_update}", f"schedule.micro_batch_size={seqs}",
         f"rollout.group_size={size.group_size}", f"rollout.max_new_tokens={size.max_new_tokens}",
@@ -110,18 +139,25 @@ def base_overrides(size: LabSize, model_dir: Path, spec: warmstart.WarmStartSpec
 
 UPDATE_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_frac", "loss/veto_seq_frac",
                "loss/trigger_frac", "loss/clip_frac_low", "loss/clip_frac_high", "loss/kl_behavior",
-               "loss/entropy", "optim/grad_norm", "loss/m2po_tau")
+               "loss/entropy", "optim/grad_norm", "loss/m2po_tau", "loss/first_trigger_pos", "update_in_stage")
+STAGE_KEYS = ("perf/generate_s", "perf/optimize_s", "perf/sync_s", "perf/generate_tok_s", "stage/response_len_mean",
+              "stage/num_sequences", "stage/truncated_frac", "stage/num_updates", "stage/end_reason")
 
 
 def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSize, model_dir: Path,
-            spec: warmstart.WarmStartSpec, work: Path) -> dict:
+            spec, work: Path, setting=warmstart, keep: Path | None = None) -> dict:
+    """One training run with evaluations; ``keep``: move the run folder there (with its stage
+    rollouts as text) instead of deleting it."""
     from mugrpo import trainer
     from mugrpo.config import load_config
     from mugrpo.loggers import read_metrics
     from mugrpo.models import load_tokenizer
     from mugrpo.tasks import build_task
 
-    cfg = load_config(preset, overrides=base_overrides(size, model_dir, spec, preset, seed) + overrides)
+    overrides = [f"optim.lr={size.paper_lr}" if o == "@paper_lr" else o for o in overrides]
+    if keep is not None:
+        overrides = overrides + ["train.save_stage_text=true"]
+    cfg = load_config(preset, overrides=base_overrides(size, model_dir, spec, preset, seed, setting) + overrides)
     run_dir = work / f"{name.replace('=', '-')}-s{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     task = build_task(cfg.task)
@@ -133,6 +169,10 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
         trainer.train(cfg, run_dir)
     wall_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
     records = read_metrics(run_dir / "metrics.jsonl")
+    if keep is not None:
+        shutil.rmtree(keep, ignore_errors=True)
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(run_dir), str(keep))
     shutil.rmtree(run_dir, ignore_errors=True)
     time_of = evaluator.clock(records)
     updates = [r for r in records if r["kind"] == "update"]
@@ -143,9 +183,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
         "eval": [{**p, "time_s": time_of.get(p["update"], 0.0)} for p in evaluator.points],
         "updates": [{"update": r["update"], **{k: r.get(k) for k in UPDATE_KEYS if k in r}} for r in updates],
         "stages": [{"stage": r["stage"], "update": r["update"], "reward": r.get("reward/mean"),
-                    **{k: r.get(k) for k in ("perf/generate_s", "perf/optimize_s", "perf/sync_s", "stage/num_updates",
-                                             "stage/end_reason")}}
-                   for r in stages],
+                    **{k: r.get(k) for k in STAGE_KEYS}} for r in stages],
     }
 
 
@@ -164,7 +202,7 @@ def summarise(runs: list[dict]) -> dict:
     out = {}
     for name, rs in by_name.items():
         def stat(values):
-            values = [v for v in values if v is not None]
+            values = [v for v in values if v is not None and v == v]  # NaN: no such token in the run
             if not values:
                 return None
             return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "min": min(values),
@@ -200,42 +238,71 @@ def dump_json(result: dict) -> str:
 
 def machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--groups", default="presets,scopes,delta", help="comma list of presets, scopes, delta, adaptive")
+    ap.add_argument("--setting", choices=("short", "long"), default="short",
+                    help="short: the original lab (2-term sums); long: worked chain sums of 88-126 tokens (median 112)")
+    ap.add_argument("--groups", default=None,
+                    help="comma list of presets, scopes, delta, adaptive (short) or long, long_paper (long); default: all")
+    ap.add_argument("--keep", nargs="*", default=None, metavar="NAME:SEED",
+                    help="keep these runs' folders under benchmarks/cache/toy_lab/kept (long default: "
+                         "mu-grpo:0 grpo-stale-relaxed:0)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--only", nargs="*", help="run only these experiment names (e.g. grpo mu-grpo)")
+    ap.add_argument("--append", action="store_true",
+                    help="add to the existing results file (same setting and sizes), skipping runs already in it")
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 seed, grpo + mu-grpo, 16 updates")
-    ap.add_argument("--out", default=str(RESULTS / "toy_lab.json"))
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/toy_lab.json (long: toy_lab_long.json)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra mugrpo config overrides for every run (e.g. optim.warmup_updates=8)")
     for f, v in asdict(LabSize()).items():
-        ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
+        ap.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=None, help=f"default {v} (short)")
     args = ap.parse_args(argv)
-    size = LabSize(**{f: getattr(args, f) for f in asdict(LabSize())})
+    long = args.setting == "long"
+    defaults = asdict(LONG_SIZE if long else LabSize())
+    size = LabSize(**{f: v if (v := getattr(args, f)) is not None else defaults[f] for f in defaults})
+    groups = (args.groups or ("long,long_paper" if long else "presets,scopes,delta")).split(",")
+    keep = set(args.keep if args.keep is not None else (["mu-grpo:0", "grpo-stale-relaxed:0"] if long else []))
     if args.quick:
-        size.total_updates, size.eval_every, size.eval_prompts = 16, 4, 32
+        size.total_updates, size.eval_every = 16, 4
+        size.eval_prompts = size.eval_prompts if long else 32
         args.seeds, args.only = args.seeds[:1], args.only or ["grpo", "mu-grpo"]
     torch.set_num_threads(size.threads)
-    spec = warmstart.WarmStartSpec()
-    model_dir = warmstart.build(spec)
+    setting = long_task if long else warmstart
+    spec = long_task.LongSpec() if long else warmstart.WarmStartSpec()
+    if long and size.eval_prompts != spec.eval_size:
+        raise SystemExit(f"[toy_lab] --eval-prompts must be {spec.eval_size} in the long setting: the held-out rows "
+                         "are the data file's last LongSpec.eval_size rows, and more would reach into training rows")
+    model_dir = setting.build(spec)
     warm = json.loads((model_dir / "warmstart.json").read_text())
     size.max_new_tokens = size.max_new_tokens or warm["max_new_tokens"]
-    exps = [e for e in experiments(args.groups.split(",")) if not args.only or e[1] in args.only]
+    exps = [e for e in experiments(groups) if not args.only or e[1] in args.only]
     work = warmstart.CACHE / "runs"
-    out_path = Path(args.out)
+    out_path = Path(args.out or RESULTS / ("toy_lab_long.json" if long else "toy_lab.json"))
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    result = {"benchmark": "toy_lab", "size": asdict(size), "extra_overrides": args.set, "warmstart": warm,
+    result = {"benchmark": "toy_lab_long" if long else "toy_lab", "setting": args.setting, "size": asdict(size),
+              "extra_overrides": args.set, "warmstart": warm,
               "machine": machine(), "command": " ".join(["python -m benchmarks.toy_lab.run"] + (argv or sys.argv[1:])),
               "runs": []}
+    if args.append and out_path.is_file():
+        old = json.loads(out_path.read_text())
+        if old.get("size") != json.loads(dump_json({"size": asdict(size)}))["size"] or old.get("setting") != args.setting:
+            raise SystemExit(f"[toy_lab] --append: {out_path} holds runs of other sizes or another setting; "
+                             "use another --out or the same sizes")
+        result["runs"], result["command"] = old["runs"], old["command"] + " ; " + result["command"]
+    done = {(r["name"], r["seed"]) for r in result["runs"]}
     t_all, cpu_all = time.perf_counter(), _cpu_s()
     for seed in args.seeds:  # seed-major: a partial result already has every experiment at seed 0
         for group, name, preset, overrides in exps:
+            if (name, seed) in done:
+                continue
             print(f"[toy_lab] {name} seed {seed} ...", flush=True)
-            run = run_one(name, preset, args.set + overrides, seed, size, model_dir, spec, work)
+            kept = warmstart.CACHE / "kept" / f"{out_path.stem}-{name}-s{seed}" if f"{name}:{seed}" in keep else None
+            run = run_one(name, preset, args.set + overrides, seed, size, model_dir, spec, work, setting, kept)
             run["group"] = group
             result["runs"].append(run)
             ev = run["eval"]
@@ -247,7 +314,10 @@ def main(argv=None) -> int:
             result["total_cpu_s"] = _cpu_s() - cpu_all
             result["machine"]["loadavg_end"] = os.getloadavg()
             out_path.write_text(dump_json(result))
-    from benchmarks.toy_lab.plot import plot_all
+    if long:
+        from benchmarks.toy_lab.plot_long import plot_all
+    else:
+        from benchmarks.toy_lab.plot import plot_all
 
     for path in plot_all(out_path):
         print(f"[toy_lab] wrote {path}")
