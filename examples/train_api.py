@@ -1,6 +1,6 @@
 """Train from Python: TRL-style data and reward functions, several rewards with weights.
 
-    .venv/bin/python examples/train_api.py                       # SmolLM2-135M-Instruct, 8 updates (~3 min on 2 cores)
+    .venv/bin/python examples/train_api.py                       # SmolLM2-135M-Instruct, 8 updates
     .venv/bin/python examples/train_api.py --updates 32 --run-dir runs/api-demo
 
 The data are rows with a ``prompt`` column (chat messages, as in TRL) and an ``answer`` column; a
@@ -9,6 +9,9 @@ The data are rows with a ``prompt`` column (chat messages, as in TRL) and an ``a
 - ``boxed_format`` (built in: 1 if the response has a \\boxed{} answer), weight 0.2;
 - ``concise``, a TRL-style function defined here, weight 0.1.
 Each is logged on its own (``reward/<name>/mean`` in metrics.jsonl), and so is the sum (``reward/mean``).
+
+Measured 2026-12-01 (CPU capability AVX512, 2 cores shared with other jobs, HF engine, bf16): 8 min 35 s;
+stage rewards 0.458 -> 0.838 (correctness 0.219 -> 0.562, boxed_format 0.828 -> 0.992), one seed.
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ def concise(prompts, completions, **kwargs) -> list[float]:
     return [1.0 - min(len(c[0]["content"]), 200) / 200 for c in completions]
 
 
+INSTRUCTION = "Put your final answer within \\boxed{}."
+ONE_SHOT = [{"role": "user", "content": f"What is 13 + 24? {INSTRUCTION}"},  # chat messages are used as they are
+            {"role": "assistant", "content": "13 + 24 = 37. The final answer is \\boxed{37}."}]
+
+
 def arithmetic_rows(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}? Put the answer in \\boxed{{}}."}],
+        rows.append({"prompt": [*ONE_SHOT, {"role": "user", "content": f"What is {a} + {b}? {INSTRUCTION}"}],
                      "answer": str(a + b)})
     return rows
 
