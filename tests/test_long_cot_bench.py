@@ -28,7 +28,7 @@ def test_every_preset_gets_the_same_budget_and_data_volume():
 def test_the_task_prompt_is_a_worked_demonstration_ending_in_a_box():
     cfg = _config("mu-grpo")
     assert cfg.task.params["min_terms"] == long_cot.TASK_PARAMS["min_terms"]
-    assert cfg.task.few_shot[0]["answer"].endswith("\\boxed{35}.") and "\nStep 3:" in cfg.task.few_shot[0]["answer"]
+    assert cfg.task.few_shot[0]["answer"].endswith("\\boxed{13}.") and "\nStep 4: Check" in cfg.task.few_shot[0]["answer"]
     assert cfg.task.instruction.endswith("within \\boxed{}.")
     assert cfg.loss.veto_scope == "suffix" and _config("grpo-stale-relaxed").loss.veto_scope == "none"
 

@@ -9,10 +9,12 @@ Issue 13 (the SmolLM2 part). One command per experiment::
     # 3. the table and the figure again from the stored results (no training)
     PYTHONPATH=. .venv/bin/python -m benchmarks.smollm.long_cot report
 
-The task: reasoning-gym ``basic_arithmetic`` with several terms, a step-by-step instruction and one
-worked chat demonstration (each step restates the running total), so the model writes a worked
-answer of ~100+ tokens whose decisive tokens (each step's result) come early and in the middle and
-are followed by many ordinary ones ("Step 3: Take ...", the restated totals, the closing sentence).
+The task: reasoning-gym ``basic_arithmetic`` (2 terms, 1 digit, + and -, the default job's
+difficulty) with a step-by-step instruction and one worked chat demonstration, so the model writes a
+worked answer of ~100 tokens whose decisive tokens (the result in step 3) come in the middle and are
+followed by many ordinary ones (a check by the inverse operation, a restatement, the closing
+sentence with the box). Harder variants (3-4 terms) were probed first: SmolLM2-135M (4-bit) then
+almost never answers correctly at temperature 1, so groups have no reward variance.
 
 Each run is ``mugrpo train`` in its own process (one command per run, printed into the results),
 on the vLLM engine; the trainer's own evaluation (greedy, held-out items, ``eval.every_updates``)
@@ -43,16 +45,17 @@ RESULTS = ROOT / "benchmarks" / "results"
 WORK = ROOT / "benchmarks" / "cache" / "smollm_long_cot"
 OUT = RESULTS / "smollm_long_cot.json"
 
-INSTRUCTION = ("Solve it step by step: combine the numbers one at a time from left to right, writing each "
-               "intermediate result. Then put your final answer within \\boxed{}.")
-FEW_SHOT = [{"question": "Calculate 12 + 7 - 5 + 21.",
-             "answer": ("Let's solve this step by step, one number at a time.\n"
-                        "Step 1: Start with 12 and add 7. 12 + 7 = 19.\n"
-                        "Step 2: Take 19 and subtract 5. 19 - 5 = 14.\n"
-                        "Step 3: Take 14 and add 21. 14 + 21 = 35.\n"
-                        "We have used every number, so the result is 35.\n"
-                        "The final answer is \\boxed{35}.")}]
-TASK_PARAMS = {"min_terms": 4, "max_terms": 4, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+INSTRUCTION = "Solve it step by step, then check your result. Put your final answer within \\boxed{}."
+FEW_SHOT = [{"question": "Calculate 8 + 5.",
+             "answer": ("Let's solve this step by step.\n"
+                        "Step 1: Read the problem. We need to compute 8 + 5.\n"
+                        "Step 2: Start from the first number, 8.\n"
+                        "Step 3: Apply the operation with the second number, 5: 8 + 5 = 13.\n"
+                        "Step 4: Check the result by undoing the operation: 13 - 5 = 8, which is the first "
+                        "number, so the result is right.\n"
+                        "So the result of 8 + 5 is 13.\n"
+                        "The final answer is \\boxed{13}.")}]
+TASK_PARAMS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
                "allow_negation": False, "allow_parentheses": False}
 PRESETS = ("grpo", "mu-grpo", "grpo-stale-relaxed")
 """Run order within a seed: the reference first, then the method, then the diagnostic."""
@@ -71,9 +74,16 @@ class Sizing:
     """Optimizer passes over each stage's data (prompts_per_stage = mu x prompts_per_update / passes),
     the same for every preset, so every run generates the same number of sequences."""
     max_new_tokens: int = 192
+    temperature: float = 0.7
+    """Sampling temperature of the rollouts (the trainer's log-probs use the same); evaluation is greedy.
+    At 1.0 the model rambles on this prompt (probe: 31% of responses hit 192 tokens, pass@1 0.05)."""
     lr: float = 1e-4
     eval_items: int = 32
     eval_every: int = 64
+    threads: int = 1
+    """torch threads (the in-process vLLM engine computes with them too). On a machine shared with
+    other jobs one thread beat two: OpenMP threads wait for each other at every barrier, and one of
+    them is often descheduled."""
     seeds: tuple = (0, 1)
 
 
@@ -90,7 +100,8 @@ def run_overrides(preset: str, seed: int, z: Sizing, first: bool) -> list[str]:
         f"schedule.prompts_per_update={z.prompts_per_update}",
         f"rollout.prompts_per_stage={mu * z.prompts_per_update // z.passes}",
         f"rollout.group_size={z.group_size}", f"rollout.max_new_tokens={z.max_new_tokens}",
-        "rollout.engine=vllm", f"optim.lr={z.lr}", f"train.seed={seed}", "train.threads=2",
+        f"rollout.temperature={z.temperature}",
+        "rollout.engine=vllm", f"optim.lr={z.lr}", f"train.seed={seed}", f"train.threads={z.threads}",
         "train.progress=false", "train.save_final_model=false", "train.save_stage_text=true", "checkpoint.keep_last=1",
         f"eval.num_items={z.eval_items}", f"eval.every_updates={z.eval_every}", "eval.every_stages=0",
         # The initial policy's greedy evaluation is the same model for every run: done once.
@@ -116,7 +127,7 @@ def probe(args) -> dict:
     from mugrpo.models import load_tokenizer, resolve_model_path
     from mugrpo.tasks import build_task, prompt_ids
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     cfg = load_config("mu-grpo", overrides=task_overrides() + ["rollout.engine=vllm", "rollout.dtype=bfloat16"])
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     tokenizer = load_tokenizer(path)
@@ -125,8 +136,8 @@ def probe(args) -> dict:
     prompts = [prompt_ids(tokenizer, item.question, cfg.task) for item in items]
     engine = make_engine("vllm", path, tokenizer, cfg.rollout, seed=0)
     t0 = time.perf_counter()
-    groups = engine.generate(prompts, SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens,
-                                                     seed=1))
+    sampling = SamplingConfig(n=args.n, temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=1)
+    groups = engine.generate(prompts, sampling)
     seconds = time.perf_counter() - t0
     engine.close()
     flat = [c for g in groups for c in g]
@@ -137,7 +148,8 @@ def probe(args) -> dict:
     result = {
         "command": "PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.long_cot " + shlex.join(sys.argv[1:]),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "loadavg": os.getloadavg(),
-        "task_params": TASK_PARAMS, "num_prompts": len(items), "samples_per_prompt": args.n,
+        "task_params": TASK_PARAMS, "temperature": args.temperature, "num_prompts": len(items),
+        "samples_per_prompt": args.n,
         "prompt_tokens": len(prompts[0]), "pass1": float(scores.mean()),
         "mixed_group_frac": float((per_item.max(1).values > per_item.min(1).values).float().mean()),
         "response_len": {"median": statistics.median(lengths), "mean": sum(lengths) / len(lengths),
@@ -147,7 +159,7 @@ def probe(args) -> dict:
         "generate_s": seconds, "generate_tok_s": sum(lengths) / seconds,
         "example": texts[0],
     }
-    out = RESULTS / "smollm_long_cot_probe.json"
+    out = RESULTS / f"smollm_long_cot_probe_T{args.temperature:g}.json"
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "example"}, indent=1))
     print(result["example"])
@@ -165,6 +177,29 @@ STAGE_KEYS = ("reward/mean", "stage/response_len_mean", "stage/truncated_frac", 
               "perf/optimize_s", "perf/eval_s", "perf/checkpoint_s", "stage/engine_logprob_mismatch")
 
 
+def response_lengths(run_dir: Path) -> dict:
+    """Token lengths and rewards of every generated response, from the stages' rollouts.jsonl: the length
+    distribution over the run, and stage 0 alone (the untrained model: the task probe of a stale run)."""
+    rows = {p.parent.name: [json.loads(line) for line in p.read_text().splitlines() if line]
+            for p in sorted(Path(run_dir).glob("stages/*/rollouts.jsonl"))}
+
+    def dist(rs: list[dict]) -> dict | None:
+        if not rs:
+            return None
+        lengths = sorted(r["num_tokens"] for r in rs)
+        groups: dict = {}
+        for r in rs:
+            groups.setdefault(r["group"], []).append(r["reward"])
+        return {"num_responses": len(lengths), "median": statistics.median(lengths), "p10": lengths[len(lengths) // 10],
+                "p90": lengths[9 * len(lengths) // 10], "max": lengths[-1],
+                "truncated_frac": sum(not r["finished"] for r in rs) / len(rs),
+                "reward_mean": sum(r["reward"] for r in rs) / len(rs),
+                "mixed_group_frac": sum(max(g) > min(g) for g in groups.values()) / len(groups)}
+
+    first = rows.get("stage_000", [])
+    return {"all_stages": dist([r for rs in rows.values() for r in rs]), "stage_0": dist(first)}
+
+
 def summarize_run(run_dir: Path) -> dict:
     """What the report needs from one run directory's metrics.jsonl."""
     from mugrpo.loggers import read_metrics
@@ -179,7 +214,7 @@ def summarize_run(run_dir: Path) -> dict:
     gen_tok = sum((s["perf/generate_tok_s"] or 0) * (s["perf/generate_s"] or 0) for s in stages)
     gen_s = sum(s["perf/generate_s"] or 0 for s in stages)
     opt_s = sum(s["perf/optimize_s"] or 0 for s in stages)
-    return {"updates": updates, "stages": stages, "evals": evals,
+    return {"updates": updates, "stages": stages, "evals": evals, "responses": response_lengths(run_dir),
             "totals": {"num_updates": len(updates), "num_stages": len(stages), "generate_s": gen_s,
                        "generated_tokens": gen_tok, "s_per_generated_token": gen_s / gen_tok if gen_tok else None,
                        "sync_s": sum(s["perf/sync_s"] or 0 for s in stages),
@@ -194,8 +229,10 @@ def run(args) -> dict:
 
     z = Sizing(updates=args.updates, stale_mu=args.stale_mu, prompts_per_update=args.prompts_per_update,
                group_size=args.group_size, passes=args.passes, max_new_tokens=args.max_new_tokens, lr=args.lr,
-               eval_items=args.eval_items, eval_every=args.eval_every, seeds=tuple(args.seeds))
-    result = json.loads(OUT.read_text()) if args.keep and OUT.is_file() else {}
+               temperature=args.temperature,
+               eval_items=args.eval_items, eval_every=args.eval_every, threads=args.threads, seeds=tuple(args.seeds))
+    out = Path(args.out)
+    result = json.loads(out.read_text()) if args.keep and out.is_file() else {}
     result.update({"benchmark": "smollm_long_cot", "sizing": asdict(z),
                    "command": "PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.long_cot "
                               + shlex.join(sys.argv[1:]),
@@ -231,10 +268,10 @@ def run(args) -> dict:
             first = first and not entry.get("evals")
             result["machine"]["loadavg_end"] = os.getloadavg()
             result["summary"] = summarize(result)
-            OUT.write_text(json.dumps(result, indent=1))
+            out.write_text(json.dumps(result, indent=1))
             print(f"[long_cot] {name}: rc {rc}, {wall:.0f} s; {json.dumps(result['summary'].get(name, {}))}",
                   flush=True)
-    plot(result, OUT.with_suffix(".png"))
+    plot(result, out.with_suffix(".png"))
     return result
 
 
@@ -292,6 +329,7 @@ def summarize(result: dict) -> dict:
             "first_trigger_pos_mean": _mean(u["loss/first_trigger_pos"] for u in ups),
             "train_reward_by_stage": [s["reward/mean"] for s in r["stages"]],
             "response_len_mean_by_stage": [s["stage/response_len_mean"] for s in r["stages"]],
+            "responses": r.get("responses"),
             "optimize_s_per_update": r["totals"]["optimize_s_per_update"],
             "s_per_generated_token": r["totals"]["s_per_generated_token"],
             "wall_s": r["wall_s"],
@@ -345,7 +383,16 @@ def plot(result: dict, path: Path) -> None:
 
 
 def report(args) -> dict:
-    result = json.loads(OUT.read_text())
+    parts = [json.loads(Path(p).read_text()) for p in args.parts]
+    result = parts[0]
+    for part in parts[1:]:  # several drivers (e.g. one per seed): their runs side by side
+        result["runs"].update(part["runs"])
+        result["sizing"]["seeds"] = sorted(set(result["sizing"]["seeds"]) | set(part["sizing"]["seeds"]))
+        result.setdefault("commands", [result["command"]]).append(part["command"])
+    for entry in result["runs"].values():  # the run directories, where they are still there
+        run_dir = WORK / f"{entry['preset']}-seed{entry['seed']}"
+        if (run_dir / "metrics.jsonl").is_file():
+            entry.update(summarize_run(run_dir))
     result["summary"] = summarize(result)
     OUT.write_text(json.dumps(result, indent=1))
     plot(result, OUT.with_suffix(".png"))
@@ -357,9 +404,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("probe", help="the untrained model on the task: lengths and pass@1")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=24, help="the first N held-out items")
+    p.add_argument("--n", type=int, default=4, help="samples per item")
+    p.add_argument("--max-new-tokens", type=int, default=Sizing.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=Sizing.temperature)
     r = sub.add_parser("run", help="every preset x seed, results written after each run")
     for f, v in asdict(Sizing()).items():
         if f != "seeds":
@@ -367,7 +415,10 @@ def main(argv=None) -> int:
     r.add_argument("--seeds", type=int, nargs="+", default=list(Sizing().seeds))
     r.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
     r.add_argument("--keep", action="store_true", help="keep the complete runs already in the results JSON")
-    sub.add_parser("report", help="summary and figure again from the stored results")
+    r.add_argument("--out", default=str(OUT), help="results JSON, rewritten after every run")
+    rep = sub.add_parser("report", help="summary and figure again from the stored results (and the run directories)")
+    rep.add_argument("parts", nargs="*", default=[str(OUT)],
+                     help="results JSONs to merge (e.g. one per seed); written to benchmarks/results/smollm_long_cot.json")
     args = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     {"probe": probe, "run": run, "report": report}[args.verb](args)
