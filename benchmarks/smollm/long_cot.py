@@ -77,7 +77,7 @@ class Sizing:
     temperature: float = 0.7
     """Sampling temperature of the rollouts (the trainer's log-probs use the same); evaluation is greedy.
     At 1.0 the model rambles on this prompt (probe: 31% of responses hit 192 tokens, pass@1 0.05)."""
-    lr: float = 1e-4
+    lr: float = 2e-5
     eval_items: int = 32
     eval_every: int = 64
     threads: int = 1
@@ -383,16 +383,33 @@ def plot(result: dict, path: Path) -> None:
 
 
 def report(args) -> dict:
-    parts = [json.loads(Path(p).read_text()) for p in args.parts]
+    parts = [json.loads(Path(p).read_text()) for p in args.parts if Path(p).is_file()]
+    if not parts:  # no driver finished a run: everything comes from the run directories
+        import torch
+
+        parts = [{"benchmark": "smollm_long_cot", "sizing": asdict(Sizing()), "command": None, "runs": {},
+                  "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
+                  "task": {"params": TASK_PARAMS, "instruction": INSTRUCTION, "few_shot": FEW_SHOT}}]
     result = parts[0]
     for part in parts[1:]:  # several drivers (e.g. one per seed): their runs side by side
         result["runs"].update(part["runs"])
         result["sizing"]["seeds"] = sorted(set(result["sizing"]["seeds"]) | set(part["sizing"]["seeds"]))
         result.setdefault("commands", [result["command"]]).append(part["command"])
+    z = Sizing(**{**result["sizing"], "seeds": tuple(result["sizing"]["seeds"])})
+    for run_dir in sorted(WORK.glob("*-seed*/metrics.jsonl")):  # runs whose driver was stopped before they ended
+        preset, seed = run_dir.parent.name.rsplit("-seed", 1)
+        if preset in PRESETS and f"{preset}/seed{seed}" not in result["runs"]:
+            result["runs"][f"{preset}/seed{seed}"] = {
+                "preset": preset, "seed": int(seed), "command": shlex.join(command(preset, int(seed), z, True)),
+                "returncode": None, "wall_s": None, "complete": False,
+                "note": "its driver was stopped; the mugrpo train process ran on and was read from its run directory"}
     for entry in result["runs"].values():  # the run directories, where they are still there
         run_dir = WORK / f"{entry['preset']}-seed{entry['seed']}"
         if (run_dir / "metrics.jsonl").is_file():
             entry.update(summarize_run(run_dir))
+            if entry["returncode"] is None:
+                entry["complete"] = entry["totals"]["num_updates"] == z.updates
     result["summary"] = summarize(result)
     OUT.write_text(json.dumps(result, indent=1))
     plot(result, OUT.with_suffix(".png"))
@@ -418,7 +435,7 @@ def main(argv=None) -> int:
     r.add_argument("--out", default=str(OUT), help="results JSON, rewritten after every run")
     rep = sub.add_parser("report", help="summary and figure again from the stored results (and the run directories)")
     rep.add_argument("parts", nargs="*", default=[str(OUT)],
-                     help="results JSONs to merge (e.g. one per seed); written to benchmarks/results/smollm_long_cot.json")
+                     help="results JSONs to merge (e.g. one per seed), into benchmarks/results/smollm_long_cot.json")
     args = ap.parse_args(argv)
     WORK.mkdir(parents=True, exist_ok=True)
     {"probe": probe, "run": run, "report": report}[args.verb](args)
