@@ -180,7 +180,7 @@ STAGE_KEYS = ("reward/mean", "stage/response_len_mean", "stage/truncated_frac", 
 def response_lengths(run_dir: Path) -> dict:
     """Token lengths and rewards of every generated response, from the stages' rollouts.jsonl: the length
     distribution over the run, and stage 0 alone (the untrained model: the task probe of a stale run)."""
-    rows = {p.parent.name: [json.loads(line) for line in p.read_text().splitlines() if line]
+    rows = {p.parent.name: [{**json.loads(line), "stage": p.parent.name} for line in p.read_text().splitlines() if line]
             for p in sorted(Path(run_dir).glob("stages/*/rollouts.jsonl"))}
 
     def dist(rs: list[dict]) -> dict | None:
@@ -189,7 +189,7 @@ def response_lengths(run_dir: Path) -> dict:
         lengths = sorted(r["num_tokens"] for r in rs)
         groups: dict = {}
         for r in rs:
-            groups.setdefault(r["group"], []).append(r["reward"])
+            groups.setdefault((r["stage"], r["group"]), []).append(r["reward"])
         return {"num_responses": len(lengths), "median": statistics.median(lengths), "p10": lengths[len(lengths) // 10],
                 "p90": lengths[9 * len(lengths) // 10], "max": lengths[-1],
                 "truncated_frac": sum(not r["finished"] for r in rs) / len(rs),
