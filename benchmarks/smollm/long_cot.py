@@ -170,6 +170,7 @@ def probe(args) -> dict:
 # The comparison.
 
 DIAG_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_frac", "loss/veto_seq_frac",
+             "loss/trigger_frac",
              "loss/first_trigger_pos", "loss/kl_behavior", "loss/clip_frac_low", "loss/clip_frac_high",
              "reward/mean", "perf/update_s")
 STAGE_KEYS = ("reward/mean", "stage/response_len_mean", "stage/truncated_frac", "stage/zero_var_group_frac",
@@ -327,6 +328,9 @@ def summarize(result: dict) -> dict:
             "veto_token_frac_mean": _mean(u["loss/veto_token_frac"] for u in ups),
             "veto_token_frac_last_quarter": position_bins(ups, "loss/veto_token_frac", mu)[-1],
             "first_trigger_pos_mean": _mean(u["loss/first_trigger_pos"] for u in ups),
+            # Triggers (rho < delta in an A < 0 response) are detected whatever the scope: for grpo-stale-relaxed
+            # they are the tokens mu-grpo's veto would have started from.
+            "trigger_frac_by_quarter": position_bins(ups, "loss/trigger_frac", mu),
             "train_reward_by_stage": [s["reward/mean"] for s in r["stages"]],
             "response_len_mean_by_stage": [s["stage/response_len_mean"] for s in r["stages"]],
             "responses": r.get("responses"),
