@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from mugrpo.tasks import _FILE_FORMATS, Item, Task, TaskError, build_task, load_rows
+from mugrpo.tasks import _FILE_FORMATS, Item, Task, TaskError, build_task, eval_task_config, load_rows
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,7 @@ def resolve(spec: str, base, num_items: Optional[int] = None) -> EvalSet:
     """
     name, source = spec.split("=", 1) if "=" in spec else (spec, spec)
     name, source = name.strip(), source.strip()
-    if any(r.get("fn") == "correctness" for r in base.rewards if isinstance(r, dict)):
-        base = dataclasses.replace(base, rewards=[])  # evaluation scores correctness alone (task.rewards doc)
+    base = eval_task_config(base)
     if not source:
         raise TaskError(f"--task {spec!r}: empty source after '='")
     if source == "train":

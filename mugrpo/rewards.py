@@ -118,14 +118,23 @@ class RewardStats:
 class ScoreStats:
     num_scored: int = 0
     """Responses scored (each by every reward function)."""
-    num_errors: int = 0
-    num_timeouts: int = 0
-    num_invalid: int = 0
-    """Scorer returned None, NaN, inf, a number beyond float32's range or a non-number."""
     num_unparsable: int = 0
     """No ``\\boxed{}`` answer found (scored 0 by the built-in scorers)."""
     first_error: Optional[str] = None
     per_reward: dict[str, RewardStats] = field(default_factory=dict)
+
+    @property
+    def num_errors(self) -> int:
+        return sum(s.num_errors for s in self.per_reward.values())
+
+    @property
+    def num_timeouts(self) -> int:
+        return sum(s.num_timeouts for s in self.per_reward.values())
+
+    @property
+    def num_invalid(self) -> int:
+        """Scorer returned None, NaN, inf, a number beyond float32's range or a non-number."""
+        return sum(s.num_invalid for s in self.per_reward.values())
 
 
 def function_label(fn: Callable) -> str:
@@ -231,9 +240,6 @@ def score(rewards: list[RewardFn], completions: list[str], items: list, timeout_
         values = (_score_batched if reward.batched else _score_each)(reward, completions, items, timeout_s, own, stats)
         own.sum += float(sum(values))
         total += reward.weight * torch.tensor(values, dtype=torch.float64)
-    stats.num_errors = sum(s.num_errors for s in stats.per_reward.values())
-    stats.num_timeouts = sum(s.num_timeouts for s in stats.per_reward.values())
-    stats.num_invalid = sum(s.num_invalid for s in stats.per_reward.values())
     return total.float(), stats
 
 

@@ -137,8 +137,20 @@ def _rewards(task_cfg, correctness) -> tuple[list[RewardFn], Optional[int]]:
     if len(set(names)) < len(names):
         raise TaskError(f"task.rewards: two rewards are named {sorted({n for n in names if names.count(n) > 1})}; "
                         "give each a distinct 'name'")
-    correct = [i for i, spec in enumerate(specs) if spec["fn"] == "correctness"]
+    correct = [i for i, spec in enumerate(specs) if _is_correctness(spec)]
     return rewards, (correct[0] if len(rewards) > 1 and correct else None)
+
+
+def _is_correctness(spec) -> bool:
+    return isinstance(spec, dict) and spec.get("fn") == "correctness"
+
+
+def eval_task_config(task_cfg):
+    """``task_cfg`` as evaluation on another dataset scores it: with ``correctness`` alone when it is
+    among ``task.rewards`` (the rule :meth:`Task.score_eval` applies to the training task)."""
+    if any(_is_correctness(spec) for spec in task_cfg.rewards):
+        return dataclasses.replace(task_cfg, rewards=[])
+    return task_cfg
 
 
 def _require_answers(name: str, items: list[Item]) -> None:
@@ -272,10 +284,8 @@ def _math(task_cfg):
     rows = load_rows(task_cfg.name, task_cfg.split, task_cfg.subset)
     if not rows:
         raise TaskError(f"dataset {task_cfg.name!r} is empty")
-    items = items_from_rows(rows, task_cfg, repr(task_cfg.name))
-    n_eval = min(task_cfg.eval_size, len(items) // 2)
-    train, held_out = (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
-    return task_cfg.name, train, held_out, _math_verify
+    return (task_cfg.name, *_tail_held_out(items_from_rows(rows, task_cfg, repr(task_cfg.name)), task_cfg.eval_size),
+            _math_verify)
 
 
 def _python_rows(task_cfg, rows, eval_rows):
@@ -283,12 +293,16 @@ def _python_rows(task_cfg, rows, eval_rows):
     if not rows:
         raise TaskError("train_dataset is empty")
     items = items_from_rows(rows, task_cfg, "train_dataset")
-    if eval_rows is not None:
-        return task_cfg.name, items, items_from_rows(eval_rows, task_cfg, "eval_dataset") if eval_rows else [], \
-            _math_verify
-    n_eval = min(task_cfg.eval_size, len(items) // 2)
-    train, held_out = (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
-    return task_cfg.name, train, held_out, _math_verify
+    if eval_rows is None:
+        return (task_cfg.name, *_tail_held_out(items, task_cfg.eval_size), _math_verify)
+    held_out = items_from_rows(eval_rows, task_cfg, "eval_dataset") if eval_rows else []
+    return task_cfg.name, items, held_out, _math_verify
+
+
+def _tail_held_out(items: list[Item], eval_size: int) -> tuple[list[Item], list[Item]]:
+    """(train, held-out): the last ``eval_size`` items held out, at most half of them."""
+    n_eval = min(eval_size, len(items) // 2)
+    return (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
 
 
 def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:

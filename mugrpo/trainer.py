@@ -26,7 +26,7 @@ import torch
 from mugrpo import checkpoint as ckpt
 from mugrpo import data as data_files
 from mugrpo import distributed as dist
-from mugrpo import seeds, tis
+from mugrpo import lora, seeds, tis
 from mugrpo.adaptive import end_reason, stage_length
 from mugrpo.advantages import group_advantages, zero_variance_groups
 from mugrpo.batching import micro_batches, sequences_to_train
@@ -41,7 +41,6 @@ from mugrpo.forward import response_logprobs, shared_prefix_support
 from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.losses import LossSettings, finalize_metrics, policy_loss
 from mugrpo.loggers import NullLogger, make_logger
-from mugrpo import lora
 from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
 from mugrpo.plan import Plan, format_plan, make_plan
 from mugrpo.progress import Progress
