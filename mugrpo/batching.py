@@ -112,13 +112,19 @@ def pack_rows(data: StageData, rows: list[Row], shared: bool, budget: int, max_s
 def micro_batches(data: StageData, seqs: list[int], *, shared: bool, budget: int, max_seqs: int | None,
                   pad_id: int, mask_dtype: torch.dtype = torch.bool) -> list[MicroBatch | SharedBatch]:
     """``seqs`` as token-budgeted micro-batches, in the shared-prefix or the plain layout."""
-    rows = make_rows(data, seqs, shared, budget)
+    return [mb for _, mb in ordered_micro_batches(data, seqs, shared=shared, budget=budget, max_seqs=max_seqs,
+                                                  pad_id=pad_id, mask_dtype=mask_dtype)]
+
+
+def ordered_micro_batches(data: StageData, seqs: list[int], *, shared: bool, budget: int, max_seqs: int | None,
+                          pad_id: int, mask_dtype: torch.dtype = torch.bool
+                          ) -> list[tuple[list[int], MicroBatch | SharedBatch]]:
+    """:func:`micro_batches`, each with the sequence index of each of its batch rows (for results
+    written back per sequence, e.g. :func:`mugrpo.tis.recompute_trainer_logprobs`)."""
     out = []
-    for batch in pack_rows(data, rows, shared, budget, max_seqs):
-        if shared:
-            out.append(collate_shared(data, batch, pad_id, mask_dtype))
-        else:
-            out.append(collate(data, [s for _, seqs_ in batch for s in seqs_], pad_id))
+    for batch in pack_rows(data, make_rows(data, seqs, shared, budget), shared, budget, max_seqs):
+        order = [s for _, row_seqs in batch for s in row_seqs]
+        out.append((order, collate_shared(data, batch, pad_id, mask_dtype) if shared else collate(data, order, pad_id)))
     return out
 
 

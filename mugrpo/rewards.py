@@ -302,7 +302,8 @@ def _score_batched(reward: RewardFn, completions, items, timeout_s, own: RewardS
         stats.first_error = stats.first_error or (
             f"reward {reward.name!r} returned {type(out).__name__}"
             + (f" of length {len(values)}" if values is not None else "")
-            + f"; a batched reward must return a list of {n} numbers (one per completion, None or NaN scores 0 and is counted in num_invalid)")
+            + f"; a batched reward must return a list of {n} numbers, one per completion (a None or NaN among "
+            "them scores 0 and is counted in num_invalid)")
         return [0.0] * n
     return [_valid(v, own) for v in values]
 

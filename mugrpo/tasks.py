@@ -340,7 +340,8 @@ def _answer_of(row: dict, answer_key: Optional[str]) -> str:
     if answer_key is not None:
         value = row.get(answer_key)
     else:  # verl: {"reward_model": {"ground_truth": ...}}
-        value = (row.get("reward_model") or {}).get("ground_truth") if isinstance(row.get("reward_model"), dict) else None
+        truth = row.get("reward_model")
+        value = truth.get("ground_truth") if isinstance(truth, dict) else None
     return "" if value is None else str(value)
 
 

@@ -31,8 +31,8 @@ import math
 import torch
 
 from mugrpo import distributed as dist
-from mugrpo.batching import collate_shared, make_rows, pack_rows, sequences_to_train
-from mugrpo.data import MicroBatch, StageData, StageDataError, collate, shard_path
+from mugrpo.batching import ordered_micro_batches, sequences_to_train
+from mugrpo.data import MicroBatch, StageData, StageDataError, shard_path
 from mugrpo.forward import response_logprobs, shared_prefix_support
 from mugrpo.losses import LOG_RATIO_GUARD, LossSettings, k3
 
@@ -91,23 +91,17 @@ def recompute_trainer_logprobs(policy, data: StageData, cfg, world, device, auto
     computes its own shard, and every rank runs as many forwards as the busiest one (each forward
     is a collective): a rank with fewer repeats its first micro-batch and discards the result.
     """
-    seqs = recomputed_seqs(data, cfg)
     shared, mask_dtype, _ = shared_prefix_support(policy) if cfg.train.shared_prefix else (False, None, "")
-    budget = cfg.schedule.micro_batch_tokens
-    packed = pack_rows(data, make_rows(data, seqs, shared, budget), shared, budget, cfg.schedule.micro_batch_size)
-
-    def build(batch) -> tuple[list[int], MicroBatch]:
-        order = [s for _, row in batch for s in row]
-        mb = collate_shared(data, batch, 0, mask_dtype or torch.bool) if shared else collate(data, order, 0)
-        return order, mb.to(device)
-
+    layout = dict(shared=shared, budget=cfg.schedule.micro_batch_tokens, max_seqs=cfg.schedule.micro_batch_size,
+                  pad_id=0, mask_dtype=mask_dtype or torch.bool)
+    batches = ordered_micro_batches(data, recomputed_seqs(data, cfg), **layout)
     trainer = [list(lp) for lp in data.behavior_logprobs]
-    num_passes = dist.max_over_ranks(len(packed))
-    filler = packed[:1] or [[(0, [0])]]  # a rank with nothing to recompute still joins each forward
+    num_passes = dist.max_over_ranks(len(batches))
+    filler = batches[:1] or ordered_micro_batches(data, [0], **layout)  # a rank with nothing still joins each forward
     for i in range(num_passes):
-        order, mb = build(packed[i] if i < len(packed) else filler[0])
-        logprobs, _ = response_logprobs(policy, mb, cfg.rollout.temperature, autocast, False, False)
-        if i >= len(packed):
+        order, mb = batches[i] if i < len(batches) else filler[0]
+        logprobs, _ = response_logprobs(policy, mb.to(device), cfg.rollout.temperature, autocast, False, False)
+        if i >= len(batches):
             continue
         logprobs = logprobs.float().cpu()
         for row, s in enumerate(order):
@@ -122,8 +116,8 @@ def stage_metrics(data: StageData, cfg, world, stage_dir) -> dict:
     if cfg.loss.behavior_logprobs == "engine":
         return {}
     if data.trainer_logprobs is None:
-        raise StageDataError(shard_path(stage_dir, world.rank), ValueError("loss.behavior_logprobs=trainer, but this stage's data holds no "
-                                               "trainer log-probs"))
+        raise StageDataError(shard_path(stage_dir, world.rank), ValueError(
+            "loss.behavior_logprobs=trainer, but this stage's data holds no trainer log-probs"))
     seqs = recomputed_seqs(data, cfg)
     flat = lambda lists: torch.tensor([v for s in seqs for v in lists[s]], dtype=torch.float32)  # noqa: E731
     sums = dist.sum_over_ranks(mismatch_sums(flat(data.trainer_logprobs), flat(data.behavior_logprobs),
