@@ -46,7 +46,7 @@ MAXRSS = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).r
 
 
 def machine() -> dict:
-    from mugrpo.hardware import detect
+    from mugrpo.training.hardware import detect
 
     hw = detect()
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -79,7 +79,7 @@ def measured(cmd: list[str], cwd: Path, env: dict, log: Path) -> dict:
 
 
 def stage_table(run_dir: Path) -> dict:
-    from mugrpo.loggers import read_metrics
+    from mugrpo.observability.loggers import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl")
     stages = [r for r in records if r["kind"] == "stage"]
@@ -152,12 +152,12 @@ def part_memory(args) -> dict:
 
 def part_update(args) -> dict:
     from mugrpo.config import load_config
-    from mugrpo.data import StageData
-    from mugrpo.distributed import World
-    from mugrpo.hardware import detect, resolve
-    from mugrpo.models import load_policy, resolve_model_path
-    from mugrpo.plan import make_plan
-    from mugrpo.trainer import RunState, optimizer_update
+    from mugrpo.training.data import StageData
+    from mugrpo.training.distributed import World
+    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.models.loading import load_policy, resolve_model_path
+    from mugrpo.config.plan import make_plan
+    from mugrpo.training.trainer import RunState, optimizer_update
 
     run_dir = Path(args.run_dir)
     data = StageData.load(run_dir / "stages" / "stage_001" / "rollouts_rank0.safetensors")
@@ -200,7 +200,7 @@ def part_update(args) -> dict:
 def bare_loop(policy, data, updates: list[int], cfg, autocast: bool) -> dict:
     """Forward+backward over just the A != 0 sequences of the same updates, each with its whole prompt:
     plain HF calls in micro-batches of 16, no sharing, no diagnostics, no optimizer step."""
-    from mugrpo.data import collate, update_groups
+    from mugrpo.training.data import collate, update_groups
 
     G = data.group_size
     seconds, tokens = 0.0, 0

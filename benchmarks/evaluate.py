@@ -23,7 +23,7 @@ from transformers import GenerationConfig
 def sample_pass1(model, tokenizer, prompts: list[list[int]], task, items, *, samples: int = 1,
                  max_new_tokens: int = 16, seed: int = 0, batch_size: int = 256) -> dict:
     """Mean reward of ``samples`` responses per prompt at temperature 1; also the boxed fraction."""
-    from mugrpo.tasks import extract_boxed
+    from mugrpo.rollout.tasks import extract_boxed
 
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
@@ -56,14 +56,14 @@ def sample_pass1(model, tokenizer, prompts: list[list[int]], task, items, *, sam
 class UpdateEvaluator:
     """Evaluates a mugrpo policy before update 1 (``0 in at``) and after each update count in ``at``.
 
-    It is applied by wrapping ``mugrpo.trainer.optimizer_update``, which ``train`` looks up by name
+    It is applied by wrapping ``mugrpo.training.trainer.optimizer_update``, which ``train`` looks up by name
     at every update (:func:`patched_trainer`). ``points`` hold the results; ``eval_s`` the time spent,
     which callers take off the run's clock. mugrpo has no evaluation hook of its own (yet).
     """
 
     def __init__(self, tokenizer, task, task_cfg, at, *, samples: int, max_new_tokens: int, seed: int = 777,
                  batch_size: int = 256):
-        from mugrpo.tasks import prompt_ids
+        from mugrpo.rollout.tasks import prompt_ids
 
         self.tokenizer, self.task, self.at = tokenizer, task, set(at)
         self.samples, self.max_new_tokens, self.seed, self.batch_size = samples, max_new_tokens, seed, batch_size
@@ -103,7 +103,8 @@ class UpdateEvaluator:
 @contextlib.contextmanager
 def patched_trainer(evaluator: UpdateEvaluator, timers: dict | None = None):
     """Install ``evaluator`` in mugrpo's trainer; with ``timers`` also time ``checkpoint.save`` calls."""
-    from mugrpo import checkpoint, trainer
+    from mugrpo.training import checkpoint
+    from mugrpo.training import trainer
 
     original_update, original_save = trainer.optimizer_update, checkpoint.save
     trainer.optimizer_update = evaluator.wrap(original_update)

@@ -8,8 +8,8 @@ load average beside the numbers. docs/BENCHMARKS.md section 6 reads it. Compare 
 within this one run: the machine may be shared, so absolute seconds drift between runs.
 
 Each variant: load the model, apply ``lora.*`` (or not), build the trainer's AdamW
-(:func:`mugrpo.trainer.build_optimizer`), then run ``--updates`` real optimizer updates
-(:func:`mugrpo.trainer.optimizer_update`) on one synthetic stage of ``--prompts`` prompts x G = 8
+(:func:`mugrpo.training.trainer.build_optimizer`), then run ``--updates`` real optimizer updates
+(:func:`mugrpo.training.trainer.optimizer_update`) on one synthetic stage of ``--prompts`` prompts x G = 8
 responses (prompts of 96 tokens, about the default task's few-shot prompt; responses of 16-48
 tokens; every advantage non-zero, so every sequence is trained). The first update allocates AdamW's state and is
 reported apart; ``s_per_update`` is the mean of the others. Also timed: one engine sync's worth of
@@ -43,7 +43,7 @@ def _status_kb(key: str) -> int:
 
 
 def synthetic_stage(vocab: int, P: int, seed: int = 0):
-    from mugrpo.data import StageData
+    from mugrpo.training.data import StageData
 
     gen = torch.Generator().manual_seed(seed)
     G = 8
@@ -58,14 +58,14 @@ def synthetic_stage(vocab: int, P: int, seed: int = 0):
 
 def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     """Runs in the subprocess: everything measured for one configuration."""
-    from mugrpo import distributed as dist
-    from mugrpo import lora
+    from mugrpo.training import distributed as dist
+    from mugrpo.models import lora
     from mugrpo.config import load_config
-    from mugrpo.distributed import World
-    from mugrpo.hardware import detect, resolve
-    from mugrpo.models import load_policy, resolve_model_path
-    from mugrpo.plan import make_plan
-    from mugrpo.trainer import RunState, build_optimizer, optimizer_update
+    from mugrpo.training.distributed import World
+    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.models.loading import load_policy, resolve_model_path
+    from mugrpo.config.plan import make_plan
+    from mugrpo.training.trainer import RunState, build_optimizer, optimizer_update
 
     cfg = load_config("mu-grpo", overrides=["schedule.total_updates=8", "schedule.num_stages=1",
                                             f"schedule.prompts_per_update={prompts}", *overrides])
@@ -103,7 +103,7 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
 
 
 def machine() -> dict:
-    from mugrpo.hardware import detect
+    from mugrpo.training.hardware import detect
 
     hw = detect()
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": hw.native_bf16,

@@ -62,12 +62,12 @@ def run_job(mode: str, extra: list[str]) -> float:
 def offline_mismatch(run_dir: Path) -> dict:
     """The engine run's stage 0: recompute its behaviour log-probs with the initial model, as the
     ``trainer`` mode would have at that stage's start, and take the same metrics."""
-    from mugrpo import tis
-    from mugrpo.checkpoint import resume_config
-    from mugrpo.data import StageData, stage_dir
-    from mugrpo.distributed import World
-    from mugrpo.hardware import detect, resolve
-    from mugrpo.models import load_policy, resolve_model_path
+    from mugrpo.training import tis
+    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.training.data import StageData, stage_dir
+    from mugrpo.training.distributed import World
+    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.models.loading import load_policy, resolve_model_path
 
     cfg = resume_config(run_dir, [])
     policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
@@ -88,11 +88,11 @@ def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
     same sequences and weights (shared-prefix rows packed to 1024 tokens vs one sequence per
     micro-batch), in bf16 autocast and in float32: why a stage's first update sees |log rho| > 0
     even against the trainer's own recompute."""
-    from mugrpo.batching import micro_batches, sequences_to_train
-    from mugrpo.checkpoint import resume_config
-    from mugrpo.data import StageData, collate, stage_dir
-    from mugrpo.forward import response_logprobs, shared_prefix_support
-    from mugrpo.models import load_policy, resolve_model_path
+    from mugrpo.training.batching import micro_batches, sequences_to_train
+    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.training.data import StageData, collate, stage_dir
+    from mugrpo.training.forward import response_logprobs, shared_prefix_support
+    from mugrpo.models.loading import load_policy, resolve_model_path
 
     cfg = resume_config(run_dir, [])
     policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
@@ -122,10 +122,10 @@ def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
 def stored_mismatch(run_dir: Path) -> dict:
     """The ``trainer`` run's mismatch metrics per stage, from the trainer log-probs stored in its shards
     (the same numbers as its stage lines; available as soon as a stage is generated)."""
-    from mugrpo import tis
-    from mugrpo.checkpoint import resume_config
-    from mugrpo.data import SHARDS_FILE, StageData, shard_path
-    from mugrpo.distributed import World
+    from mugrpo.training import tis
+    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.training.data import SHARDS_FILE, StageData, shard_path
+    from mugrpo.training.distributed import World
 
     cfg = resume_config(run_dir, [])
     out = {}
@@ -137,8 +137,8 @@ def stored_mismatch(run_dir: Path) -> dict:
 
 
 def summarize(seconds: dict) -> dict:
-    from mugrpo.hardware import detect
-    from mugrpo.loggers import read_metrics
+    from mugrpo.training.hardware import detect
+    from mugrpo.observability.loggers import read_metrics
 
     hw = detect()
     out = {"machine": {"cpu_capability": hw.cpu_capability, "native_bf16": hw.native_bf16, "cpus": os.cpu_count(),

@@ -35,10 +35,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from mugrpo.config import Config  # noqa: E402
-from mugrpo.engines.base import SamplingConfig  # noqa: E402
-from mugrpo.models import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
-from mugrpo.plan import make_plan  # noqa: E402
-from mugrpo.tasks import build_task, prompt_ids  # noqa: E402
+from mugrpo.rollout.engines.base import SamplingConfig  # noqa: E402
+from mugrpo.models.loading import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
+from mugrpo.config.plan import make_plan  # noqa: E402
+from mugrpo.rollout.tasks import build_task, prompt_ids  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vllm_engine.json"
 DOC = ROOT / "docs" / "VLLM.md"
@@ -82,7 +82,7 @@ def raw_tokens(outputs) -> int:
 
 
 def bench_hf(cfg, path, tokenizer, prompts, sampling) -> dict:
-    from mugrpo.engines.hf import HFEngine
+    from mugrpo.rollout.engines.hf import HFEngine
 
     engine = HFEngine(path, tokenizer, cfg.rollout, device="cpu")
     out, seconds = timed(lambda: engine.generate(prompts, sampling))
@@ -92,7 +92,7 @@ def bench_hf(cfg, path, tokenizer, prompts, sampling) -> dict:
 
 
 def bench_subprocess(cfg, path, tokenizer, policy) -> dict:
-    from mugrpo.engines.vllm import VLLMEngine
+    from mugrpo.rollout.engines.vllm import VLLMEngine
 
     cfg.rollout.vllm_in_process = False
     engine, startup = timed(lambda: VLLMEngine(path, tokenizer, cfg.rollout, seed=0))
@@ -158,7 +158,7 @@ def bench_raw_defaults(vllm, cfg, path, sizes, prompts, raw_params) -> dict:
         rows.append({"sequences": size, "tokens": raw_tokens(out), "seconds": seconds,
                      "tok_s": raw_tokens(out) / seconds})
         print(f"[bench]   vLLM defaults, {size} sequences: {rows[-1]['tok_s']:.0f} tok/s", flush=True)
-    llm.llm_engine.engine_core.shutdown()  # one in-process engine at a time (see mugrpo/engines/vllm.py)
+    llm.llm_engine.engine_core.shutdown()  # one in-process engine at a time (see mugrpo/rollout/engines/vllm.py)
     return {"startup_s": startup, "throughput": rows}
 
 
@@ -204,7 +204,7 @@ def main() -> None:
     import vllm
     from vllm import SamplingParams
 
-    from mugrpo.engines.vllm import VLLMEngine
+    from mugrpo.rollout.engines.vllm import VLLMEngine
 
     results.update(vllm=vllm.__version__, import_vllm_s=import_s)
     policy = load_policy(path)

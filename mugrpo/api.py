@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
 
 from mugrpo.config import Config, ConfigError, from_dict, load_config, set_value, validate
-from mugrpo.rewards import PYTHON_PREFIX, function_label
+from mugrpo.rollout.rewards import PYTHON_PREFIX, function_label
 
 ConfigLike = Union[Config, dict, str, Path, None]
 RewardLike = Union[str, Callable]
@@ -91,8 +91,8 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
     - ``resume=True``: continue the run in ``run_dir`` from its last checkpoint, with the same
       reward functions and data when they were given from Python.
     """
-    from mugrpo.tasks import build_task
-    from mugrpo.trainer import train as run_training
+    from mugrpo.rollout.tasks import build_task
+    from mugrpo.training.trainer import train as run_training
 
     if resume:
         if run_dir is None:
@@ -132,7 +132,7 @@ def _set_rewards(cfg: Config, funcs, weights) -> None:
 
 def _resumed_config(run_dir: Path, funcs, weights) -> Config:
     """The run's config, with the Python reward functions it was trained with put back in place."""
-    from mugrpo.checkpoint import resume_config
+    from mugrpo.training.checkpoint import resume_config
 
     cfg = resume_config(run_dir, [])
     stored = [spec["fn"] for spec in cfg.task.rewards]

@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Verbs implemented in their own modules: name -> (module with add_arguments(p) and run(args), help).
 _EXTRA_VERBS: dict[str, tuple[str, str]] = {
-    "eval": ("mugrpo.eval_cli", "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
-    "report": ("mugrpo.report", "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
+    "eval": ("mugrpo.evaluation.cli", "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
+    "report": ("mugrpo.observability.report", "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
 }
 
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "_extra_module", None):
             return __import__(args._extra_module, fromlist=["run"]).run(args) or 0
         if args.verb == "plan":
-            from mugrpo.plan import format_plan, make_plan
+            from mugrpo.config.plan import format_plan, make_plan
 
             cfg = _resolve(args)
             print(format_plan(make_plan(cfg), cfg))
@@ -91,8 +91,8 @@ def _config_verb(args) -> int:
 
 def _train_verb(args) -> int:
     from mugrpo.api import default_run_dir
-    from mugrpo.checkpoint import Interrupted, resume_config
-    from mugrpo.trainer import train
+    from mugrpo.training.checkpoint import Interrupted, resume_config
+    from mugrpo.training.trainer import train
 
     if args.resume:
         run_dir = Path(args.resume)

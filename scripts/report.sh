@@ -25,7 +25,7 @@ intro=""
 if [ "${1:-}" = "--tiny" ]; then
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  "$MUGRPO_PYTHON" -c "from mugrpo.tiny import build_tiny_model; build_tiny_model('$work/tiny')"
+  "$MUGRPO_PYTHON" -c "from mugrpo.models.tiny import build_tiny_model; build_tiny_model('$work/tiny')"
   common=(model.name="$work/tiny" task.reward_fn=ones_reward:reward "task.few_shot=[]" task.instruction=
           task.size=1000 rollout.max_new_tokens=8 schedule.total_updates=16 optim.lr=3e-3
           eval.num_items=32 eval.num_samples=4 eval.every_updates=4 eval.every_stages=0 train.progress=false train.threads=1)
@@ -37,7 +37,7 @@ if [ "${1:-}" = "--tiny" ]; then
   # greedy decoding soon emits only "1"s (greedy score 1.0); the sampled mean is the informative metric here
   REPORT_EVAL_KEY=${REPORT_EVAL_KEY:-eval/avg_at_4}
   intro="> **This is a tiny demonstration run, not the default job.** Model: a randomly initialised
-> 0.1M-parameter character-level Llama (\`mugrpo.tiny\`); reward: the fraction of response
+> 0.1M-parameter character-level Llama (\`mugrpo.models.tiny\`); reward: the fraction of response
 > characters equal to \"1\" (\`tests/ones_reward.py\`); 16 updates of 8 prompts x 8 responses of up
 > to 8 tokens; grpo = 4 stages of mu = 4, mu-grpo = 2 stages of mu = 8; evaluation of 32 held-out
 > prompts (greedy and 4 samples) every 4 updates. It shows what the report contains, not how the

@@ -1,6 +1,6 @@
 import torch
 
-from mugrpo.advantages import group_advantages
+from mugrpo.algo.advantages import group_advantages
 
 
 def test_group_advantages_std_scaled():

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 import mugrpo
 from mugrpo.config import ConfigError, TaskConfig
 from mugrpo.errors import TaskError
-from mugrpo.tasks import build_task
+from mugrpo.rollout.tasks import build_task
 
 TINY = {"task": {"few_shot": [], "instruction": ""}, "rollout.max_new_tokens": 8, "train.autocast": "none",
         "train.progress": False, "eval.num_items": 0}

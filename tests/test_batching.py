@@ -1,4 +1,4 @@
-"""The exact speed-ups of the optimisation phase (mugrpo.batching, mugrpo.forward) against the plain path.
+"""The exact speed-ups of the optimisation phase (mugrpo.training.batching, mugrpo.training.forward) against the plain path.
 
 Shared-prefix rows, the zero-advantage skip and token-budget micro-batches must give the plain
 path's per-token log-probs and every parameter's gradient, in float32, to a relative 1e-5.
@@ -7,14 +7,14 @@ import pytest
 import torch
 from conftest import TINY_OVERRIDES
 
-from mugrpo.batching import block_mask, make_rows, micro_batches, pack_rows, sequences_to_train
+from mugrpo.training.batching import block_mask, make_rows, micro_batches, pack_rows, sequences_to_train
 from mugrpo.config import load_config
-from mugrpo.data import StageData, collate
-from mugrpo.distributed import World
-from mugrpo.forward import response_logprobs, shared_prefix_support
-from mugrpo.models import load_policy
-from mugrpo.plan import make_plan
-from mugrpo.trainer import RunState, optimizer_update
+from mugrpo.training.data import StageData, collate
+from mugrpo.training.distributed import World
+from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.models.loading import load_policy
+from mugrpo.config.plan import make_plan
+from mugrpo.training.trainer import RunState, optimizer_update
 
 
 def _stage(vocab: int, prompt_lens, response_lens, G: int, advantages=None, seed: int = 0) -> StageData:
@@ -133,7 +133,7 @@ def test_shared_prefix_matches_plain_on_tiny_model(tiny_model_dir, budget, dtype
 
 
 def test_shared_prefix_matches_plain_on_smollm2():
-    from mugrpo.models import resolve_model_path
+    from mugrpo.models.loading import resolve_model_path
 
     model = load_policy(resolve_model_path("smollm2-135m-instruct"))
     assert model.config.model_type == "llama"

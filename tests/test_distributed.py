@@ -19,8 +19,8 @@ import torch
 from conftest import TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo import distributed as dist
-from mugrpo.data import StageData, update_groups
+from mugrpo.training import distributed as dist
+from mugrpo.training.data import StageData, update_groups
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent

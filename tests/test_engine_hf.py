@@ -6,12 +6,12 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from mugrpo.config import RolloutConfig
-from mugrpo.data import StageData, collate
-from mugrpo.engines.base import SamplingConfig
-from mugrpo.engines.hf import HFEngine, left_pad
-from mugrpo.forward import response_logprobs
-from mugrpo.models import load_policy, load_tokenizer
-from mugrpo.seeds import derive
+from mugrpo.training.data import StageData, collate
+from mugrpo.rollout.engines.base import SamplingConfig
+from mugrpo.rollout.engines.hf import HFEngine, left_pad
+from mugrpo.training.forward import response_logprobs
+from mugrpo.models.loading import load_policy, load_tokenizer
+from mugrpo.training.seeds import derive
 
 
 def _prompts(tok):

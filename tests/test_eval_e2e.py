@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mugrpo.cli import main
-from mugrpo.loggers import read_metrics
-from mugrpo.tiny import build_tiny_model
+from mugrpo.observability.loggers import read_metrics
+from mugrpo.models.tiny import build_tiny_model
 
 TINY = ["task.reward_fn=ones_reward:reward", "task.few_shot=[]", "task.instruction=", "task.size=200",
         "rollout.max_new_tokens=8", "rollout.group_size=4", "schedule.prompts_per_update=4",

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from mugrpo.eval_metrics import macro_average, pass_at_k, summarize
+from mugrpo.evaluation.metrics import macro_average, pass_at_k, summarize
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from mugrpo.eval_sets import _parse_hf, detect_columns, resolve, split_specs
+from mugrpo.evaluation.sets import _parse_hf, detect_columns, resolve, split_specs
 from mugrpo.config import TaskConfig
-from mugrpo.tasks import TaskError
+from mugrpo.rollout.tasks import TaskError
 
 
 def _jsonl(path, rows):
@@ -97,7 +97,7 @@ def test_hf_spec_parsing_and_helpers():
 
 def test_evaluation_of_a_run_with_several_rewards_scores_correctness_alone():
     from mugrpo.config import TaskConfig
-    from mugrpo.eval_sets import resolve
+    from mugrpo.evaluation.sets import resolve
 
     base = TaskConfig(size=4, eval_size=2, rewards=[{"fn": "correctness"}, {"fn": "python:somewhere.gone", "weight": 5}])
     es = resolve("train", base)

@@ -4,14 +4,14 @@ import pytest
 import torch
 
 from mugrpo.config import load_config
-from mugrpo.distributed import World
-from mugrpo.engines import Completion
-from mugrpo.evaluate import (EvalSettings, TrainingEvaluator, generate_and_score, render_prompts,
+from mugrpo.training.distributed import World
+from mugrpo.rollout.engines import Completion
+from mugrpo.evaluation.evaluate import (EvalSettings, TrainingEvaluator, generate_and_score, render_prompts,
                              summarize_generations)
-from mugrpo.plan import make_plan
-from mugrpo.progress import Progress
-from mugrpo.tasks import Item, Task, TaskError
-from mugrpo.tiny import build_char_tokenizer
+from mugrpo.config.plan import make_plan
+from mugrpo.observability.progress import Progress
+from mugrpo.rollout.tasks import Item, Task, TaskError
+from mugrpo.models.tiny import build_char_tokenizer
 
 TOK = build_char_tokenizer()
 EOS = TOK.eos_token_id

@@ -7,7 +7,7 @@ import sys
 import pytest
 from conftest import TESTS, TINY_OVERRIDES
 
-from mugrpo.loggers import read_metrics
+from mugrpo.observability.loggers import read_metrics
 
 
 def _run(run_dir, model_dir, *extra, env_extra=None):
@@ -90,7 +90,7 @@ def test_run_dir_not_writable(tmp_path, tiny_model_dir):
 
 
 def test_truncated_prompts_train(tmp_path, tiny_model_dir):
-    from mugrpo.data import StageData
+    from mugrpo.training.data import StageData
 
     r = _run(tmp_path / "run", tiny_model_dir, "task.max_prompt_tokens=12", "task.prompt_too_long=truncate")
     assert r.returncode == 0, r.stderr[-2000:]

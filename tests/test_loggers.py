@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from mugrpo.config import Config, ConfigError, load_config
-from mugrpo.loggers import JsonlLogger, MultiLogger, make_logger, scalars
+from mugrpo.observability.loggers import JsonlLogger, MultiLogger, make_logger, scalars
 
 RECORD = {"kind": "update", "stage": 0, "update": 3, "update_in_stage": 1, "time_s": 1.5,
           "loss/policy": -0.25, "loss/ratio_mean_neg": float("nan"), "optim/skipped": 0.0,

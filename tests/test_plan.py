@@ -1,7 +1,7 @@
 import pytest
 
 from mugrpo.config import ConfigError, load_config
-from mugrpo.plan import make_plan
+from mugrpo.config.plan import make_plan
 
 
 def test_mu_grpo_default_plan():

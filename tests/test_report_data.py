@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from mugrpo import report_data as rd
+from mugrpo.observability import report_data as rd
 from mugrpo.cli import main
-from mugrpo.report import write_report
+from mugrpo.observability.report import write_report
 
 
 def _records(scale: float = 1.0):

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from mugrpo.config import TaskConfig
-from mugrpo.tasks import Item, TaskError, build_task, extract_boxed, prompt_ids, render_messages
+from mugrpo.rollout.tasks import Item, TaskError, build_task, extract_boxed, prompt_ids, render_messages
 
 
 def test_extract_boxed():
@@ -95,7 +95,7 @@ def test_bad_reward_fn_spec():
 
 
 def test_prompt_rendering_with_one_shot_and_instruction(tiny_model_dir):
-    from mugrpo.models import load_tokenizer
+    from mugrpo.models.loading import load_tokenizer
 
     cfg = TaskConfig()
     messages = render_messages("What is 2 + 2?", cfg)

@@ -1,4 +1,4 @@
-"""loss.behavior_logprobs=trainer (mugrpo.tis): the TIS weight and mismatch metrics by hand, the
+"""loss.behavior_logprobs=trainer (mugrpo.training.tis): the TIS weight and mismatch metrics by hand, the
 trainer-side recompute against a plain per-sequence forward, persistence, bad input, end to end."""
 import math
 import os
@@ -10,15 +10,15 @@ import torch
 from conftest import TESTS, TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo import tis
-from mugrpo.batching import collate_shared, make_rows
+from mugrpo.training import tis
+from mugrpo.training.batching import collate_shared, make_rows
 from mugrpo.config import ConfigError, LossConfig, load_config
-from mugrpo.data import StageData, StageDataError, collate
-from mugrpo.distributed import World
-from mugrpo.forward import response_logprobs
-from mugrpo.loggers import read_metrics
-from mugrpo.models import load_policy
-from mugrpo.trainer import train
+from mugrpo.training.data import StageData, StageDataError, collate
+from mugrpo.training.distributed import World
+from mugrpo.training.forward import response_logprobs
+from mugrpo.observability.loggers import read_metrics
+from mugrpo.models.loading import load_policy
+from mugrpo.training.trainer import train
 
 
 def test_tis_weights_by_hand():
@@ -42,7 +42,7 @@ def test_uncapped_unclipped_tis_loss_equals_the_engine_ratio_loss():
     # w * rho = (pi_old / pi_engine) * (pi_theta / pi_old) = pi_theta / pi_engine: where no clip bound
     # binds and no weight is capped, the TIS loss and its gradient are the default (engine) loss's.
     # They part only where a bound binds on one ratio and not the other, where w > C, or at the veto.
-    from mugrpo.losses import LossSettings, policy_loss
+    from mugrpo.algo.losses import LossSettings, policy_loss
 
     gen = torch.Generator().manual_seed(0)
     engine = -torch.rand(3, 5, generator=gen) * 3

@@ -33,7 +33,7 @@ def test_data_file_holds_out_unseen_questions_at_the_end(tmp_path):
 
 def test_task_overrides_plug_the_task_into_mugrpo(tmp_path):
     from mugrpo.config import load_config
-    from mugrpo.tasks import build_task
+    from mugrpo.rollout.tasks import build_task
 
     spec = long_task.LongSpec(train_size=100, eval_size=20)
     task = build_task(load_config("grpo", overrides=long_task.task_overrides(spec, tmp_path)).task)

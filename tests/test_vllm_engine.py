@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from mugrpo.config import Config
-from mugrpo.data import StageData, collate
-from mugrpo.engines import make_engine
-from mugrpo.engines.base import SamplingConfig
-from mugrpo.models import load_policy, load_tokenizer
-from mugrpo.tiny import build_tiny_model
-from mugrpo.forward import response_logprobs
+from mugrpo.training.data import StageData, collate
+from mugrpo.rollout.engines import make_engine
+from mugrpo.rollout.engines.base import SamplingConfig
+from mugrpo.models.loading import load_policy, load_tokenizer
+from mugrpo.models.tiny import build_tiny_model
+from mugrpo.training.forward import response_logprobs
 
 PROMPTS = ["u:Calculate 5 - 3.\na:", "u:Hi\na:", "u:What is 7 + 1?\na:", "u:Say 111\na:"]
 
@@ -127,7 +127,7 @@ def _generate_after_sync(tiny, rollout_cfg, sampling):
 
 def test_missing_vllm_error_names_the_install_command(monkeypatch):
     """Runs in the default suite (no vLLM needed): asking for vLLM without it fails clearly."""
-    from mugrpo.engines.vllm import VLLMUnavailableError
+    from mugrpo.rollout.engines.vllm import VLLMUnavailableError
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` now raises ImportError
     monkeypatch.setattr(os, "environ", dict(os.environ))  # the engine sets VLLM_* variables first
@@ -254,7 +254,7 @@ def test_subprocess_engine_syncs_through_shared_memory(tiny):
 @pytest.mark.vllm
 def test_training_through_vllm_raises_the_reward(tiny, shared, tmp_path):
     from mugrpo.config import load_config
-    from mugrpo.trainer import train
+    from mugrpo.training.trainer import train
 
     path, _, _ = tiny
     shared.release()

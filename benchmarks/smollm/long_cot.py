@@ -123,9 +123,9 @@ def probe(args) -> dict:
     import torch
 
     from mugrpo.config import load_config
-    from mugrpo.engines import SamplingConfig, make_engine
-    from mugrpo.models import load_tokenizer, resolve_model_path
-    from mugrpo.tasks import build_task, prompt_ids
+    from mugrpo.rollout.engines import SamplingConfig, make_engine
+    from mugrpo.models.loading import load_tokenizer, resolve_model_path
+    from mugrpo.rollout.tasks import build_task, prompt_ids
 
     torch.set_num_threads(1)
     cfg = load_config("mu-grpo", overrides=task_overrides() + ["rollout.engine=vllm", "rollout.dtype=bfloat16"])
@@ -203,7 +203,7 @@ def response_lengths(run_dir: Path) -> dict:
 
 def summarize_run(run_dir: Path) -> dict:
     """What the report needs from one run directory's metrics.jsonl."""
-    from mugrpo.loggers import read_metrics
+    from mugrpo.observability.loggers import read_metrics
 
     records = read_metrics(run_dir / "metrics.jsonl")
     updates = [{"update": r["update"], "update_in_stage": r["update_in_stage"],

@@ -101,11 +101,11 @@ def mugrpo_overrides(size: Size, method: str, args) -> list[str]:
 
 def run_mugrpo(method: str, size: Size, args) -> dict:
     from benchmarks.evaluate import UpdateEvaluator, patched_trainer
-    from mugrpo import trainer
+    from mugrpo.training import trainer
     from mugrpo.config import load_config
-    from mugrpo.loggers import read_metrics
-    from mugrpo.models import load_tokenizer, resolve_model_path
-    from mugrpo.tasks import build_task
+    from mugrpo.observability.loggers import read_metrics
+    from mugrpo.models.loading import load_tokenizer, resolve_model_path
+    from mugrpo.rollout.tasks import build_task
 
     cfg = load_config(method, overrides=mugrpo_overrides(size, method, args))
     run_dir = WORK / f"{method}-{args.size}"
@@ -144,7 +144,7 @@ def run_mugrpo(method: str, size: Size, args) -> dict:
 
 def run_trl(size: Size, args) -> dict:
     from mugrpo.config import load_config
-    from mugrpo.models import resolve_model_path
+    from mugrpo.models.loading import resolve_model_path
 
     python = Path(args.trl_python)
     if not python.is_file():

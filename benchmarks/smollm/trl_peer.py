@@ -53,10 +53,10 @@ def main(argv=None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.evaluate import sample_pass1
-    from mugrpo import seeds
+    from mugrpo.training import seeds
     from mugrpo.config import load_config
-    from mugrpo.plan import make_plan
-    from mugrpo.tasks import build_task, prompt_ids, render_messages
+    from mugrpo.config.plan import make_plan
+    from mugrpo.rollout.tasks import build_task, prompt_ids, render_messages
 
     torch.set_num_threads(args.threads)
     cfg = load_config("grpo", overrides=args.task_overrides + [

@@ -107,7 +107,7 @@ def data_file(spec: LongSpec, cache: Path = CACHE) -> Path:
 
 def score(text: str, answer: str, entry: dict) -> float:
     """1.0 when the last ``\\boxed{}`` holds exactly the sum, else 0.0 (``task.reward_fn``)."""
-    from mugrpo.tasks import extract_boxed
+    from mugrpo.rollout.tasks import extract_boxed
 
     return float(extract_boxed(text) == str(answer).strip())
 
@@ -128,9 +128,9 @@ def build(spec: LongSpec, cache: Path = CACHE, log=print) -> Path:
 
     from benchmarks.evaluate import sample_pass1
     from mugrpo.config import load_config
-    from mugrpo.models import load_tokenizer
-    from mugrpo.tasks import build_task, prompt_ids
-    from mugrpo.tiny import build_tiny_model
+    from mugrpo.models.loading import load_tokenizer
+    from mugrpo.rollout.tasks import build_task, prompt_ids
+    from mugrpo.models.tiny import build_tiny_model
 
     tmp = cache / f".warm-{spec.key()}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)

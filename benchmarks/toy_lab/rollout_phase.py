@@ -30,11 +30,11 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 def main() -> int:
     from mugrpo.config import load_config
-    from mugrpo.engines.base import SamplingConfig
-    from mugrpo.engines.hf import HFEngine
-    from mugrpo.hardware import cpu_native_bf16
-    from mugrpo.models import load_tokenizer
-    from mugrpo.tasks import build_task, prompt_ids
+    from mugrpo.rollout.engines.base import SamplingConfig
+    from mugrpo.rollout.engines.hf import HFEngine
+    from mugrpo.training.hardware import cpu_native_bf16
+    from mugrpo.models.loading import load_tokenizer
+    from mugrpo.rollout.tasks import build_task, prompt_ids
 
     torch.set_num_threads(1)
     spec = long_task.LongSpec()

@@ -16,11 +16,11 @@ stale ones share the same mu):
   stage ends once the KL guard trips, never before grpo's mu updates (not in the default groups;
   ``--groups presets,adaptive --out benchmarks/results/toy_lab_adaptive.json``).
 
-Each run is ``mugrpo.trainer.train`` with a config built by ``load_config(preset, overrides=...)``.
+Each run is ``mugrpo.training.trainer.train`` with a config built by ``load_config(preset, overrides=...)``.
 The only addition is an evaluation of the *current* policy every ``--eval-every`` updates on a fixed
 held-out set (:mod:`benchmarks.evaluate`): the trainer itself logs the reward of each stage's
 behaviour policy only, which for a 2-stage run is two points. The evaluation wraps
-``mugrpo.trainer.optimizer_update`` (looked up by name inside ``train``); its time is measured and
+``mugrpo.training.trainer.optimizer_update`` (looked up by name inside ``train``); its time is measured and
 subtracted from the run's clock.
 
 Output: ``benchmarks/results/toy_lab.json`` (settings, machine, every run's curves, a summary per
@@ -148,11 +148,11 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
             spec, work: Path, setting=warmstart, keep: Path | None = None) -> dict:
     """One training run with evaluations; ``keep``: move the run folder there (with its stage
     rollouts as text) instead of deleting it."""
-    from mugrpo import trainer
+    from mugrpo.training import trainer
     from mugrpo.config import load_config
-    from mugrpo.loggers import read_metrics
-    from mugrpo.models import load_tokenizer
-    from mugrpo.tasks import build_task
+    from mugrpo.observability.loggers import read_metrics
+    from mugrpo.models.loading import load_tokenizer
+    from mugrpo.rollout.tasks import build_task
 
     overrides = [f"optim.lr={size.paper_lr}" if o == "@paper_lr" else o for o in overrides]
     if keep is not None:

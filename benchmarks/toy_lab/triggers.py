@@ -4,7 +4,7 @@ The trainer logs only aggregates (trigger fraction, first trigger position). Thi
 run folder kept by ``benchmarks.toy_lab.run --setting long`` (its last stage's rollouts with their
 stored behaviour log-probs, and the final checkpoint, i.e. the policy after the stage's last
 update) and recomputes every token's log-ratio log pi_theta - log pi_b with
-:func:`mugrpo.forward.response_logprobs`, the trainer's own forward. It then reports, for
+:func:`mugrpo.training.forward.response_logprobs`, the trainer's own forward. It then reports, for
 negative-advantage responses:
 
 - how many trigger at delta = 1e-2, 1e-3, 1e-4, and where the first trigger sits;
@@ -55,8 +55,8 @@ def stage_log_ratios(run_dir: Path):
     from transformers import AutoModelForCausalLM
 
     from mugrpo.config import load_config
-    from mugrpo.data import StageData, collate, shard_path
-    from mugrpo.forward import response_logprobs
+    from mugrpo.training.data import StageData, collate, shard_path
+    from mugrpo.training.forward import response_logprobs
 
     cfg = load_config(file=run_dir / "config.yaml")
     stage = sorted((run_dir / "stages").glob("stage_*"))[-1]
@@ -80,7 +80,7 @@ def stage_log_ratios(run_dir: Path):
 
 
 def analyse(run_dir: Path, num_examples: int = 4) -> dict:
-    from mugrpo.models import load_tokenizer
+    from mugrpo.models.loading import load_tokenizer
 
     cfg, stage, ckpt, data, ratios = stage_log_ratios(run_dir)
     tok = load_tokenizer(cfg.model.name)

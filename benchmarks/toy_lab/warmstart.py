@@ -11,7 +11,7 @@ answer nothing but the closing brace follows the digits, and the veto has nothin
 
 The result is an ordinary HF folder cached under ``benchmarks/cache/toy_lab/warm-<hash>/`` (the hash
 covers every field of :class:`WarmStartSpec`), with ``warmstart.json`` recording the SFT curve.
-Prompts are rendered exactly as the trainer renders them (``mugrpo.tasks.prompt_ids`` with the same
+Prompts are rendered exactly as the trainer renders them (``mugrpo.rollout.tasks.prompt_ids`` with the same
 task config), so SFT and RL see the same text.
 
 This module knows nothing about RL; :mod:`benchmarks.toy_lab.run` uses its output.
@@ -109,9 +109,9 @@ def build(spec: WarmStartSpec, cache: Path = CACHE, log=print) -> Path:
 
     from benchmarks.evaluate import sample_pass1
     from mugrpo.config import load_config
-    from mugrpo.models import load_tokenizer
-    from mugrpo.tasks import build_task, prompt_ids
-    from mugrpo.tiny import build_tiny_model
+    from mugrpo.models.loading import load_tokenizer
+    from mugrpo.rollout.tasks import build_task, prompt_ids
+    from mugrpo.models.tiny import build_tiny_model
 
     tmp = cache / f".warm-{spec.key()}-tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -4,14 +4,14 @@ Each stage: push weights to the engine (the stage's only sync) -> generate every
 stage once, with behaviour log-probs -> score -> group advantages -> persist the stage dataset ->
 release the engine -> mu optimizer updates on the static data, ratios always against the STORED
 behaviour log-probs. ``grpo`` is this loop with mu = 4. With ``schedule.adaptive`` a stage may end
-before mu updates when a drift guard trips (:mod:`mugrpo.adaptive`); the run always ends after
+before mu updates when a drift guard trips (:mod:`mugrpo.algo.adaptive`); the run always ends after
 ``total_updates``.
 
-What lives elsewhere: the math (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`,
-:mod:`mugrpo.advantages`), the schedule arithmetic (:mod:`mugrpo.plan`), persistence of stage
-data (:mod:`mugrpo.data`), the optional trainer-side behaviour log-probs with TIS
-(:mod:`mugrpo.tis`), checkpoints (:mod:`mugrpo.checkpoint`), engines (:mod:`mugrpo.engines`), and
-multi-process concerns (:mod:`mugrpo.distributed`).
+What lives elsewhere: the math (:mod:`mugrpo.algo.losses`, :mod:`mugrpo.algo.veto`,
+:mod:`mugrpo.algo.advantages`), the schedule arithmetic (:mod:`mugrpo.config.plan`), persistence of stage
+data (:mod:`mugrpo.training.data`), the optional trainer-side behaviour log-probs with TIS
+(:mod:`mugrpo.training.tis`), checkpoints (:mod:`mugrpo.training.checkpoint`), engines (:mod:`mugrpo.rollout.engines`), and
+multi-process concerns (:mod:`mugrpo.training.distributed`).
 """
 
 from __future__ import annotations
@@ -23,30 +23,32 @@ from pathlib import Path
 
 import torch
 
-from mugrpo import checkpoint as ckpt
-from mugrpo import data as data_files
-from mugrpo import distributed as dist
-from mugrpo import lora, seeds, tis
-from mugrpo.adaptive import end_reason, stage_length
-from mugrpo.advantages import group_advantages, zero_variance_groups
-from mugrpo.batching import micro_batches, sequences_to_train
-from mugrpo.checkpoint import RunState
+from mugrpo.training import checkpoint as ckpt
+from mugrpo.training import data as data_files
+from mugrpo.training import distributed as dist
+from mugrpo.models import lora
+from mugrpo.training import seeds
+from mugrpo.training import tis
+from mugrpo.algo.adaptive import end_reason, stage_length
+from mugrpo.algo.advantages import group_advantages, zero_variance_groups
+from mugrpo.training.batching import micro_batches, sequences_to_train
+from mugrpo.training.checkpoint import RunState
 from mugrpo.config import Config
-from mugrpo.data import StageData, write_stage_text
-from mugrpo.engines import SamplingConfig, make_engine, weights_loaded
+from mugrpo.training.data import StageData, write_stage_text
+from mugrpo.rollout.engines import SamplingConfig, make_engine, weights_loaded
 from mugrpo.errors import UserError
-from mugrpo.evaluate import TrainingEvaluator
-from mugrpo.faults import maybe_die, should_poison
-from mugrpo.forward import response_logprobs, shared_prefix_support
-from mugrpo.hardware import Resolved, detect, resolve
-from mugrpo.losses import LossSettings, finalize_metrics, policy_loss
-from mugrpo.loggers import NullLogger, make_logger
-from mugrpo.models import load_policy, load_tokenizer, resolve_model_path
-from mugrpo.plan import Plan, format_plan, make_plan
-from mugrpo.progress import Progress
-from mugrpo.rewards import per_reward_counts, per_reward_metrics
-from mugrpo.tasks import Task, build_task, limit_prompts, prompt_ids
-from mugrpo.veto import veto_mask
+from mugrpo.evaluation.evaluate import TrainingEvaluator
+from mugrpo.training.faults import maybe_die, should_poison
+from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.training.hardware import Resolved, detect, resolve
+from mugrpo.algo.losses import LossSettings, finalize_metrics, policy_loss
+from mugrpo.observability.loggers import NullLogger, make_logger
+from mugrpo.models.loading import load_policy, load_tokenizer, resolve_model_path
+from mugrpo.config.plan import Plan, format_plan, make_plan
+from mugrpo.observability.progress import Progress
+from mugrpo.rollout.rewards import per_reward_counts, per_reward_metrics
+from mugrpo.rollout.tasks import Task, build_task, limit_prompts, prompt_ids
+from mugrpo.algo.veto import veto_mask
 
 
 class TrainingError(UserError, RuntimeError):
@@ -136,7 +138,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
                 state.update_in_stage += 1
                 metrics.update({"perf/update_s": time.perf_counter() - t_update, "stage/staleness":
                                 state.update_in_stage - 1})
-                if state.update_in_stage == 1:  # with trainer log-probs: set at stage start (mugrpo.tis)
+                if state.update_in_stage == 1:  # with trainer log-probs: set at stage start (mugrpo.training.tis)
                     stage_metrics.setdefault("stage/engine_logprob_mismatch", metrics.get("loss/log_ratio_abs_mean"))
                 reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, max_length)
                 logger.log(_record("update", state, t_start, metrics, update_in_stage=state.update_in_stage - 1))
@@ -190,7 +192,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
 
 
 def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan, world) -> dict:
-    """How the stage ended (:mod:`mugrpo.adaptive`) and how much of its data the updates drew:
+    """How the stage ended (:mod:`mugrpo.algo.adaptive`) and how much of its data the updates drew:
     ``stage/passes_used`` = prompt groups drawn / groups in the stage (below 1: some never used)."""
     num_groups = float(dist.sum_over_ranks(torch.tensor([float(data.num_groups)]))[0])
     return {"stage/end_reason": reason, "stage/ended_early": float(reason in ("kl", "neg_ratio")),
@@ -351,7 +353,7 @@ def optimizer_update(policy, optimizer, scheduler, data: StageData, state: RunSt
                      world, device, ref_model=None, resolved: Resolved | None = None) -> dict:
     """One optimizer update on this update's minibatch of the stage data; returns finalised metrics.
 
-    Only the sequences that can move the update are computed (:mod:`mugrpo.batching`): zero-advantage
+    Only the sequences that can move the update are computed (:mod:`mugrpo.training.batching`): zero-advantage
     sequences are skipped when no loss term depends on them, each group's prompt is encoded once,
     and micro-batches are cut by tokens. The normaliser still counts every sequence of the update.
     """

@@ -3,12 +3,12 @@
 ``--model`` takes an HF folder or hub id, the built-in alias, a run directory (its
 ``final_model``, with the run's own prompt format and task) or one of its checkpoints
 (``RUN_DIR/checkpoints/ckpt_*``: the run's base model with the checkpoint's weights pushed into
-the engine). Task specs are described in :mod:`mugrpo.eval_sets`. ``key=value`` overrides of
+the engine). Task specs are described in :mod:`mugrpo.evaluation.sets`. ``key=value`` overrides of
 ``task.*`` (prompt format, scorer) and ``rollout.*`` (engine batch size, dtype, vLLM knobs) apply
 on top of the run's config (or the defaults).
 
 Reported per task and overall (the unweighted mean over tasks, as the paper's average column):
-greedy accuracy, avg@n and unbiased pass@k (:mod:`mugrpo.eval_metrics`).
+greedy accuracy, avg@n and unbiased pass@k (:mod:`mugrpo.evaluation.metrics`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from mugrpo.config import ConfigError, from_dict, load_config, parse_override, read_config_file, set_value
-from mugrpo.engines import ENGINES
-from mugrpo.loggers import json_safe
+from mugrpo.rollout.engines import ENGINES
+from mugrpo.observability.loggers import json_safe
 
 
 def add_arguments(p) -> None:
@@ -48,11 +48,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from mugrpo.eval_sets import resolve, split_specs
-    from mugrpo.engines import make_engine
-    from mugrpo.eval_metrics import macro_average
-    from mugrpo.evaluate import generate_and_score, render_prompts, summarize_generations
-    from mugrpo.models import load_tokenizer
+    from mugrpo.evaluation.sets import resolve, split_specs
+    from mugrpo.rollout.engines import make_engine
+    from mugrpo.evaluation.metrics import macro_average
+    from mugrpo.evaluation.evaluate import generate_and_score, render_prompts, summarize_generations
+    from mugrpo.models.loading import load_tokenizer
 
     source = resolve_model(args.model)
     cfg = _config(source, args)
@@ -72,7 +72,7 @@ def run(args) -> int:
         if source["weights"] is not None:
             from safetensors.torch import load_file
 
-            from mugrpo.lora import checkpoint_weights
+            from mugrpo.models.lora import checkpoint_weights
 
             engine.load_weights(checkpoint_weights(source["model_path"], cfg.lora, load_file(source["weights"]),
                                                    cfg.model.trust_remote_code))
@@ -126,8 +126,8 @@ def _check_writable_file(path: Path, flag: str) -> None:
 
 def resolve_model(text: str) -> dict:
     """What ``--model`` names: model folder to load, optional checkpoint weights, the run's config."""
-    from mugrpo.checkpoint import RunDirError
-    from mugrpo.models import resolve_model_path
+    from mugrpo.training.checkpoint import RunDirError
+    from mugrpo.models.loading import resolve_model_path
 
     path = Path(text).expanduser()
     if (path / "model.safetensors").is_file() and (path / "trainer_state.json").is_file():
@@ -153,7 +153,7 @@ def resolve_model(text: str) -> dict:
 
 
 def _saved_config(run_dir: Path, text: str) -> dict:
-    from mugrpo.checkpoint import RunDirError
+    from mugrpo.training.checkpoint import RunDirError
 
     file = Path(run_dir) / "config.yaml"
     if not file.is_file():
@@ -182,7 +182,7 @@ def _config(source: dict, args):
 
 
 def _settings(args, cfg):
-    from mugrpo.evaluate import EvalSettings
+    from mugrpo.evaluation.evaluate import EvalSettings
 
     try:
         ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()})
@@ -211,8 +211,8 @@ def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
     """(resolved engine kind, engine): ``auto`` engine and dtype resolved for this machine, as in training."""
     import dataclasses
 
-    from mugrpo.hardware import detect, resolve
-    from mugrpo.models import ModelError
+    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.models.loading import ModelError
 
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, kind, detect())
     for note in resolved.notes:

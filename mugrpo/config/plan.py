@@ -8,7 +8,7 @@ Definitions (docs/ALGORITHM.md section 3):
   shuffled, cycling through several passes when mu x prompts_per_update > prompts_per_stage.
 - Staleness of update j (0-based) inside a stage = j: the number of optimizer updates since the
   behaviour snapshot was taken.
-- Adaptive stages (``schedule.adaptive`` != none, :mod:`mugrpo.adaptive`): mu is the MAXIMUM stage
+- Adaptive stages (``schedule.adaptive`` != none, :mod:`mugrpo.algo.adaptive`): mu is the MAXIMUM stage
   length and U the budget, so the number of stages is variable, between U / mu and
   ceil(U / adaptive_min_updates); ``num_stages`` and ``weight_syncs`` are then None and only
   ``min_stages`` / ``max_stages`` bound them. Code that runs the schedule goes by updates.
@@ -121,7 +121,7 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
 
 
 def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
-    """The plan as an aligned table; with ``resolved`` (:class:`mugrpo.hardware.Resolved`) also the
+    """The plan as an aligned table; with ``resolved`` (:class:`mugrpo.training.hardware.Resolved`) also the
     machine and the concrete values of the ``auto`` settings."""
     micro = f"{plan.micro_batch_tokens} tokens"
     if plan.micro_batch_size is not None:

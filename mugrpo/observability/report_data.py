@@ -1,7 +1,7 @@
 """Reading run directories into the series and tables that ``mugrpo report`` draws and prints.
 
-A run's ``metrics.jsonl`` holds three kinds of records (written by :mod:`mugrpo.trainer` and
-:mod:`mugrpo.evaluate`): ``update`` (one per optimizer update: ``loss/*``, ``optim/*``),
+A run's ``metrics.jsonl`` holds three kinds of records (written by :mod:`mugrpo.training.trainer` and
+:mod:`mugrpo.evaluation.evaluate`): ``update`` (one per optimizer update: ``loss/*``, ``optim/*``),
 ``stage`` (one per stage: ``reward/*`` of the stage's rollouts, ``perf/*_s`` phase times) and
 ``eval`` (``eval/*``, ``perf/eval_s``). ``time_s`` is wall-clock since the run started,
 continued across resumes.
@@ -15,7 +15,7 @@ Definitions used by the report (each one is a choice, stated once here):
 - **Time to reach a level**: the training clock of the first point whose value is >= the level.
 - A resumed run may log an update (or stage, or eval) twice; the last record of each wins.
 
-No plotting and no markdown here (that is :mod:`mugrpo.report`); nothing here writes files.
+No plotting and no markdown here (that is :mod:`mugrpo.observability.report`); nothing here writes files.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Optional
 import yaml
 
 from mugrpo.errors import UserError
-from mugrpo.loggers import read_metrics
+from mugrpo.observability.loggers import read_metrics
 
 PHASES = ("sync", "generate", "score", "optimize", "eval", "checkpoint")
 """Stage-time categories: ``perf/{phase}_s`` keys of stage records (absent keys count as 0)."""

@@ -5,7 +5,7 @@ and the command line hold only what differs from the defaults. Validation happen
 :func:`validate`, and every error names the offending key and what is accepted.
 
 Derived quantities (passes over stage data, number of stages when only mu is given, micro-batches
-per update) are *not* stored here: they come from :func:`mugrpo.plan.make_plan`.
+per update) are *not* stored here: they come from :func:`mugrpo.config.plan.make_plan`.
 
 This module knows nothing about models, engines or tensors.
 """
@@ -23,9 +23,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from mugrpo.engines import ENGINES
+from mugrpo.rollout.engines import ENGINES
 from mugrpo.errors import ConfigError
-from mugrpo.plan import make_plan
+from mugrpo.config.plan import make_plan
 
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
@@ -100,7 +100,7 @@ class TaskConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"
-    """``auto``, or an engine of the registry ``mugrpo.engines.ENGINES`` (``hf``, ``vllm``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    """``auto``, or an engine of the registry ``mugrpo.rollout.engines.ENGINES`` (``hf``, ``vllm``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
     else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
     (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing."""
     group_size: int = 8
@@ -119,7 +119,7 @@ class RolloutConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Engine weights' dtype. ``auto``: the trainer's precision (bfloat16 when ``train.autocast``
     resolves to bf16, else float32), resolved at start and printed in the plan."""
-    # vLLM engine knobs (ignored by the HF engine). See mugrpo/engines/vllm.py and docs/VLLM.md.
+    # vLLM engine knobs (ignored by the HF engine). See mugrpo/rollout/engines/vllm.py and docs/VLLM.md.
     vllm_max_model_len: Optional[int] = None
     """Prompt + response token limit; null: the model's max_position_embeddings."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -144,7 +144,7 @@ class RolloutConfig:
 
 
 ADAPTIVE_GUARDS = ("none", "kl", "neg_ratio", "kl_or_neg_ratio")
-"""``schedule.adaptive``: the drift guards that may end a stage early (:mod:`mugrpo.adaptive`)."""
+"""``schedule.adaptive``: the drift guards that may end a stage early (:mod:`mugrpo.algo.adaptive`)."""
 
 
 @dataclass
@@ -193,13 +193,13 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
 BEHAVIOR_LOGPROBS = ("engine", "trainer")
 """The accepted values of the loss section, defined once: the fields below are typed by them and the
-loss module (:mod:`mugrpo.losses`, :mod:`mugrpo.veto`) checks against them."""
+loss module (:mod:`mugrpo.algo.losses`, :mod:`mugrpo.algo.veto`) checks against them."""
 
 
 @dataclass
 class LossConfig:
-    """The loss section. :class:`mugrpo.losses.LossSettings` is built from it field by field, so a new
-    loss option is a field here and its use in mugrpo/losses.py, nothing else."""
+    """The loss section. :class:`mugrpo.algo.losses.LossSettings` is built from it field by field, so a new
+    loss option is a field here and its use in mugrpo/algo/losses.py, nothing else."""
 
     clip_mode: Literal[CLIP_MODES] = "ppo"
     clip_eps_low: float = 1.0
@@ -295,7 +295,7 @@ class TrainConfig:
 class ParallelConfig:
     """How a multi-process run (``torchrun --nproc_per_node N -m mugrpo train``) shards the policy.
 
-    Applied from outside by :mod:`mugrpo.distributed` (FSDP2 ``fully_shard`` per decoder layer, then
+    Applied from outside by :mod:`mugrpo.training.distributed` (FSDP2 ``fully_shard`` per decoder layer, then
     the root); the model code knows nothing of it. A plain single-process run ignores every field
     except ``activation_checkpointing``.
     """
@@ -331,7 +331,7 @@ LORA_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters through peft (:mod:`mugrpo.lora`); off while ``rank`` is 0."""
+    """LoRA adapters through peft (:mod:`mugrpo.models.lora`); off while ``rank`` is 0."""
 
     rank: int = 0
     """r: rank of each adapter's B @ A update; 0 trains the full model (no LoRA)."""
@@ -701,7 +701,7 @@ def _validate_eval_and_log(cfg: Config) -> None:
 
 
 def _validate_adaptive(s: ScheduleConfig) -> None:
-    """The adaptive-stage keys; their bound against mu is checked by :func:`mugrpo.plan.make_plan`."""
+    """The adaptive-stage keys; their bound against mu is checked by :func:`mugrpo.config.plan.make_plan`."""
     _check(0 < s.adaptive_kl_max < math.inf, "schedule.adaptive_kl_max", "a finite number > 0 (nats per token)",
            s.adaptive_kl_max)
     _check(0 < s.adaptive_neg_ratio_min <= 1, "schedule.adaptive_neg_ratio_min",
@@ -735,7 +735,7 @@ def _validate_vllm(r: RolloutConfig) -> None:
 
 def to_dict(cfg: Config) -> dict:
     """The config as plain data; a reward given as a Python function is written ``python:module.qualname``."""
-    from mugrpo.rewards import function_label
+    from mugrpo.rollout.rewards import function_label
 
     rewards = [{**spec, "fn": function_label(spec["fn"])} if isinstance(spec, dict) and callable(spec.get("fn"))
                else spec for spec in cfg.task.rewards]

@@ -11,9 +11,9 @@
 - ``summary.md`` (and ``summary.json`` with the same numbers, unrounded): headline numbers, time
   per phase, the training clock each run needed to first reach given levels, with speed-ups
   relative to the first run, and the drift diagnostics and held-out metric against the position
-  in the stage (:func:`mugrpo.report_data.by_position`).
+  in the stage (:func:`mugrpo.observability.report_data.by_position`).
 
-The numbers come from :mod:`mugrpo.report_data` (where the definitions are stated); this module
+The numbers come from :mod:`mugrpo.observability.report_data` (where the definitions are stated); this module
 only draws and formats. matplotlib is imported lazily with the Agg backend (no display needed).
 """
 
@@ -25,8 +25,8 @@ import os
 import re
 from pathlib import Path
 
-from mugrpo import report_data as rd
-from mugrpo.loggers import json_safe
+from mugrpo.observability import report_data as rd
+from mugrpo.observability.loggers import json_safe
 
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
 _PHASE_COLORS = {"sync": "tab:purple", "generate": "tab:blue", "score": "tab:cyan", "optimize": "tab:orange",

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo import seeds
+from mugrpo.training import seeds
 from mugrpo.errors import UserError
 
 FORMAT_VERSION = 1
@@ -69,7 +69,7 @@ class StageData:
     group_size: int
     trainer_logprobs: list[list[float]] | None = field(default=None, kw_only=True)
     """One per sequence, only with ``loss.behavior_logprobs=trainer``: the behaviour policy's
-    log-probs recomputed by the trainer at stage start (:mod:`mugrpo.tis`); None otherwise."""
+    log-probs recomputed by the trainer at stage start (:mod:`mugrpo.training.tis`); None otherwise."""
 
     @property
     def num_groups(self) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mugrpo.config import AGGREGATIONS, CLIP_MODES, RATIO_LEVELS
-from mugrpo.veto import veto_mask
+from mugrpo.algo.veto import veto_mask
 
 LOG_RATIO_GUARD = 20.0
 """|log rho| is clamped here before exp(): a numeric guard (rho up to 4.8e8), not a trust region."""
@@ -159,7 +159,7 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
 
     ``is_weights`` [B, T] (optional, detached here): a per-token weight multiplying the clipped
     surrogate, e.g. the truncated importance weight min(pi_trainer / pi_engine, C) of
-    :func:`mugrpo.tis.tis_weights`; it scales neither the KL nor the entropy term, nor the
+    :func:`mugrpo.training.tis.tis_weights`; it scales neither the KL nor the entropy term, nor the
     normaliser. A = 0 tokens stay exactly 0 (0 * w = 0). None: the loss is exactly today's.
     """
     s = settings

@@ -1,4 +1,4 @@
-"""Evaluation sets: ``--task`` spec strings -> a :class:`mugrpo.tasks.Task` plus the items to evaluate.
+"""Evaluation sets: ``--task`` spec strings -> a :class:`mugrpo.rollout.tasks.Task` plus the items to evaluate.
 
 Spec syntax (``mugrpo eval --task SPEC``, repeatable or comma-separated):
 
@@ -16,7 +16,7 @@ Spec syntax (``mugrpo eval --task SPEC``, repeatable or comma-separated):
 
 Everything else (prompt format, scorer, timeouts) comes from the :class:`~mugrpo.config.TaskConfig`
 the caller passes, so an evaluation renders prompts exactly like training does, and scoring is
-:meth:`mugrpo.tasks.Task.score_all` (math-verify or the generator's checker, or ``task.reward_fn``).
+:meth:`mugrpo.rollout.tasks.Task.score_all` (math-verify or the generator's checker, or ``task.reward_fn``).
 
 This module knows nothing about models, engines or metrics.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from mugrpo.tasks import _FILE_FORMATS, Item, Task, TaskError, build_task, eval_task_config, load_rows
+from mugrpo.rollout.tasks import _FILE_FORMATS, Item, Task, TaskError, build_task, eval_task_config, load_rows
 
 
 @dataclass(frozen=True)

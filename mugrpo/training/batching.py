@@ -19,7 +19,7 @@ Three savings. Each leaves the update equal to the plain path's up to float roun
    rows x the longest row fits ``schedule.micro_batch_tokens``, so one long response does not pad
    many short ones. A group too long for the budget is split over several rows, each with the prompt.
 
-The plain layout (:func:`mugrpo.data.collate`: one row per sequence, prompt left-padded,
+The plain layout (:func:`mugrpo.training.data.collate`: one row per sequence, prompt left-padded,
 response right-padded) is the reference, and the fallback for models the block mask cannot serve.
 
 Shapes: B rows, L row length, S sequences in a micro-batch, R its longest response, N its
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mugrpo.data import MicroBatch, StageData, collate
+from mugrpo.training.data import MicroBatch, StageData, collate
 
 
 def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bool) -> list[int]:
@@ -46,7 +46,7 @@ def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bo
 class SharedBatch(MicroBatch):
     """A micro-batch of shared-prefix rows: the model inputs are [B, L] rows (``attention_mask`` a
     [B, 1, L, L] block mask: bool, True = may attend, for sdpa; additive float for eager), the
-    per-sequence tensors [S, R] as in :class:`~mugrpo.data.MicroBatch`, plus where each response
+    per-sequence tensors [S, R] as in :class:`~mugrpo.training.data.MicroBatch`, plus where each response
     token sits in the rows."""
 
     predict_index: torch.Tensor = field(kw_only=True)  # [N] flat index into B * L of the position predicting each token
@@ -120,7 +120,7 @@ def ordered_micro_batches(data: StageData, seqs: list[int], *, shared: bool, bud
                           pad_id: int, mask_dtype: torch.dtype = torch.bool
                           ) -> list[tuple[list[int], MicroBatch | SharedBatch]]:
     """:func:`micro_batches`, each with the sequence index of each of its batch rows (for results
-    written back per sequence, e.g. :func:`mugrpo.tis.recompute_trainer_logprobs`)."""
+    written back per sequence, e.g. :func:`mugrpo.training.tis.recompute_trainer_logprobs`)."""
     out = []
     for batch in pack_rows(data, make_rows(data, seqs, shared, budget), shared, budget, max_seqs):
         order = [s for _, row_seqs in batch for s in row_seqs]

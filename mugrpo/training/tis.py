@@ -19,7 +19,7 @@ included. With ``trainer``:
 Here: the two pure functions of that math (:func:`tis_weights`, :func:`mismatch_sums`), which
 log-probs an update's ratio uses (:func:`ratio_inputs`), the stage-level mismatch metrics, and the
 recompute forward (which runs the model, under FSDP2 too). The loss only receives the weights as a
-tensor (``is_weights`` of :func:`mugrpo.losses.policy_loss`).
+tensor (``is_weights`` of :func:`mugrpo.algo.losses.policy_loss`).
 
 Shapes: B sequences, T response tokens.
 """
@@ -30,11 +30,11 @@ import math
 
 import torch
 
-from mugrpo import distributed as dist
-from mugrpo.batching import ordered_micro_batches, sequences_to_train
-from mugrpo.data import MicroBatch, StageData, StageDataError, shard_path
-from mugrpo.forward import response_logprobs, shared_prefix_support
-from mugrpo.losses import LOG_RATIO_GUARD, LossSettings, k3
+from mugrpo.training import distributed as dist
+from mugrpo.training.batching import ordered_micro_batches, sequences_to_train
+from mugrpo.training.data import MicroBatch, StageData, StageDataError, shard_path
+from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.algo.losses import LOG_RATIO_GUARD, LossSettings, k3
 
 
 def tis_weights(trainer_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-from mugrpo import lora
-from mugrpo.data import SHARDS_FILE, StageData, StageDataError, atomic_write_text, shard_path, update_groups
+from mugrpo.models import lora
+from mugrpo.training.data import SHARDS_FILE, StageData, StageDataError, atomic_write_text, shard_path, update_groups
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def rank_update_groups(data: StageData, prompts_per_rank: int, update_in_stage: 
     """Indices into ``data`` of this rank's groups for update ``update_in_stage``.
 
     Each owned shard contributes ``prompts_per_rank / (shards owned)`` = P / S groups, drawn by
-    :func:`mugrpo.data.update_groups` over that shard alone; the draw depends only on the shard's
+    :func:`mugrpo.training.data.update_groups` over that shard alone; the draw depends only on the shard's
     size, the update and the seeds, not on which rank holds the shard.
     """
     sizes = data.shard_sizes if isinstance(data, ShardedStage) else [data.num_groups]
@@ -333,7 +333,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def full_state_items(model: torch.nn.Module, keep: bool = True):
     """(HF name, full tensor) for every weight of the plain HF model, one at a time: bounded peak
     memory under FSDP2. With LoRA adapters these are the merged weights under the base model's names
-    (:func:`mugrpo.lora.merged_items`): what the engine, evaluation and the export get.
+    (:func:`mugrpo.models.lora.merged_items`): what the engine, evaluation and the export get.
 
     Every rank must consume the whole iterator (each item is a collective). With ``keep=False``
     the gathered tensor is dropped at once and None is yielded (ranks that only take part).
@@ -357,7 +357,7 @@ def trained_items(model: torch.nn.Module, keep: bool = True):
 
 
 def adapter_items(model: torch.nn.Module, keep: bool = True):
-    """The LoRA adapters gathered whole, under peft's checkpoint keys (:func:`mugrpo.lora.adapter_items`)."""
+    """The LoRA adapters gathered whole, under peft's checkpoint keys (:func:`mugrpo.models.lora.adapter_items`)."""
     yield from lora.adapter_items(model, _full, keep)
 
 

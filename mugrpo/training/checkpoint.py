@@ -6,7 +6,7 @@ Layout of a run directory::
     .lock                          held (flock) by the process training in the directory
     metrics.jsonl                  one line per update and per stage
     stages/stage_KKK/              the stage's data: shards, completion marker, readable jsonl
-                                   (file names: mugrpo.data.stage_dir and below)
+                                   (file names: mugrpo.training.data.stage_dir and below)
     checkpoints/ckpt_UUUUUU/       model.safetensors (the trained parameters: all of them, or the LoRA
                                    adapters), optimizer.pt, scheduler.pt, rng_rank{R}.pt,
                                    trainer_state.json, config.yaml (the config it was trained with)
@@ -22,7 +22,7 @@ newest checkpoint that is readable, warning about any newer one that is not.
 
 Model and optimizer are stored whole (optimizer state keyed by parameter name), whatever the number
 of processes: under FSDP2 they are gathered one tensor at a time and only rank 0 keeps them, and on
-load rank 0 reads them and scatters each tensor into the shards (:mod:`mugrpo.distributed`). So a
+load rank 0 reads them and scatters each tensor into the shards (:mod:`mugrpo.training.distributed`). So a
 run may resume on a different number of processes (its stage data permitting, see
 ``distributed.load_stage_shards``).
 """
@@ -45,12 +45,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mugrpo.errors import UserError
-from mugrpo import distributed as dist
-from mugrpo import lora
+from mugrpo.training import distributed as dist
+from mugrpo.models import lora
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
                            set_value, to_dict, validate)
-from mugrpo.data import SHARDS_FILE, atomic_write_text
-from mugrpo.faults import maybe_die
+from mugrpo.training.data import SHARDS_FILE, atomic_write_text
+from mugrpo.training.faults import maybe_die
 
 
 @dataclass
@@ -159,7 +159,7 @@ def lock_run_dir(run_dir: Path, world):
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     """Delete what an interrupted write left behind in ``run_dir``; returns the removed paths.
 
-    Only with the run directory locked: the names are those of :func:`mugrpo.data.atomic_write`
+    Only with the run directory locked: the names are those of :func:`mugrpo.training.data.atomic_write`
     (``.NAME.tmp-PID``) and of the checkpoint and final-model folders built before their rename
     (``.tmp-NAME``), in the folders mugrpo writes them to.
     """

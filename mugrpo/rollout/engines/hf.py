@@ -34,8 +34,8 @@ import torch
 from transformers import (AutoModelForCausalLM, DynamicCache, GenerationConfig, LogitsProcessor,
                           LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from mugrpo.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
-from mugrpo.seeds import derive
+from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
+from mugrpo.training.seeds import derive
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

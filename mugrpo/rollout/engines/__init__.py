@@ -1,8 +1,8 @@
-"""Rollout engines behind one small interface (see :mod:`mugrpo.engines.base`).
+"""Rollout engines behind one small interface (see :mod:`mugrpo.rollout.engines.base`).
 
 :data:`ENGINES` is the registry: the names ``rollout.engine`` and ``mugrpo eval --engine`` accept,
 and where each implementation lives. A new engine is a module implementing
-:class:`~mugrpo.engines.base.RolloutEngine` plus one line here. Implementations are imported only
+:class:`~mugrpo.rollout.engines.base.RolloutEngine` plus one line here. Implementations are imported only
 when built, so ``import mugrpo`` never needs vLLM; and this file imports nothing heavy itself
 (the config reads the names), so the interface types are loaded on first use.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import importlib
 
 ENGINES = {
-    "hf": "mugrpo.engines.hf:HFEngine",
-    "vllm": "mugrpo.engines.vllm:VLLMEngine",
+    "hf": "mugrpo.rollout.engines.hf:HFEngine",
+    "vllm": "mugrpo.rollout.engines.vllm:VLLMEngine",
 }
 
 __all__ = ["ENGINES", "Completion", "RolloutEngine", "SamplingConfig", "make_engine", "weights_loaded"]
@@ -30,5 +30,5 @@ def make_engine(kind: str, model_path: str, tokenizer, rollout_cfg, seed: int = 
 
 def __getattr__(name: str):
     if name in _FROM_BASE:
-        return getattr(importlib.import_module("mugrpo.engines.base"), name)
-    raise AttributeError(f"module 'mugrpo.engines' has no attribute {name!r}")
+        return getattr(importlib.import_module("mugrpo.rollout.engines.base"), name)
+    raise AttributeError(f"module 'mugrpo.rollout.engines' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Evaluation: held-out accuracy during training, `mugrpo eval`, evaluation sets and metrics."""

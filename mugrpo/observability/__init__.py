@@ -1,0 +1,1 @@
+"""Metrics sinks, console progress, and `mugrpo report`."""
