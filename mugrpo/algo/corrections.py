@@ -221,3 +221,36 @@ def apply_correction(surrogate_loss: torch.Tensor, logprobs: torch.Tensor, advan
     if is_weights is not None and not (correction is not None and correction.replaces_tis):
         token_loss = token_loss * is_weights.detach().to(token_loss.dtype)
     return token_loss, keep
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry entries: ``entry(x: CorrectionInputs, s) -> Correction`` with ``s`` the loss settings
+# (:class:`mugrpo.algo.losses.LossSettings`, which carries the ``loss.*`` parameters by name).
+
+
+def opsm_entry(x: CorrectionInputs, s) -> Correction:
+    """``loss.correction=opsm``: :func:`opsm` against the engine's log-probs, delta ``loss.opsm_delta``."""
+    return opsm(x.logprobs, x.engine_logprobs, x.advantages, x.mask, delta=s.opsm_delta)
+
+
+def icepop_entry(x: CorrectionInputs, s) -> Correction:
+    """``loss.correction=icepop``: :func:`icepop` on [``loss.icepop_low``, ``loss.icepop_high``]."""
+    if x.trainer_logprobs is None:
+        raise ValueError("loss.correction=icepop needs the trainer's log-probs (loss.behavior_logprobs=trainer)")
+    return icepop(x.trainer_logprobs, x.engine_logprobs, x.mask, low=s.icepop_low, high=s.icepop_high)
+
+
+def cispo_entry(x: CorrectionInputs, s) -> Correction:
+    """``loss.correction=cispo``: :func:`cispo` with ``loss.cispo_eps_low`` / ``loss.cispo_eps_high``."""
+    return cispo(x.logprobs, x.behavior_logprobs, x.advantages, x.mask, eps_low=s.cispo_eps_low,
+                 eps_high=s.cispo_eps_high)
+
+
+def mis_token_entry(x: CorrectionInputs, s) -> Correction:
+    """``loss.correction=mis_token``: :func:`mis_token` on [``loss.mis_low``, ``loss.mis_high``]."""
+    return mis_token(x.logprobs, x.engine_logprobs, x.mask, low=s.mis_low, high=s.mis_high)
+
+
+def mis_sequence_entry(x: CorrectionInputs, s) -> Correction:
+    """``loss.correction=mis_sequence``: :func:`mis_sequence` on [``loss.mis_low``, ``loss.mis_high``]."""
+    return mis_sequence(x.logprobs, x.engine_logprobs, x.mask, low=s.mis_low, high=s.mis_high)

@@ -177,3 +177,25 @@ def copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, *, need_t
             atomic_write(text_path(dest_stage_dir, rank, num_shards), lambda tmp, p=text: shutil.copyfile(p, tmp))
     atomic_write(Path(dest_stage_dir) / SHARDS_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta)))
     return num_groups
+
+
+RECORD_FILE = "replay.json"
+"""RUN_DIR/replay.json: the replay source of a run, written at its start, read by ``--resume``."""
+
+
+def record_source(run_dir: Path, source: ReplaySource) -> None:
+    """Remember the source in the new run's directory, so a resumed replay keeps replaying it."""
+    atomic_write(Path(run_dir) / RECORD_FILE, lambda tmp: Path(tmp).write_text(
+        json.dumps({"source": str(source.run_dir.resolve())}) + "\n"))
+
+
+def recorded_source(run_dir: Path) -> Path | None:
+    """The replay source recorded in ``run_dir`` (None: the run generates its own stages)."""
+    path = Path(run_dir) / RECORD_FILE
+    if not path.is_file():
+        return None
+    try:
+        return Path(json.loads(path.read_text())["source"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ReplayError(f"{path} cannot be read ({exc}); it names the run's replay source: restore it as "
+                          '{"source": "/path/to/source_run"}') from exc
