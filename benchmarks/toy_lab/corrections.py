@@ -105,9 +105,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out_path = Path(args.out)
     if args.plot:
-        from benchmarks.toy_lab.plot_corrections import plot
+        from benchmarks.toy_lab.plot_corrections import plot, table
 
         print(f"[corrections] wrote {plot(out_path)}")
+        print(table(json.loads(out_path.read_text())))
         return 0
     torch.set_num_threads(1)
     spec = long_task.LongSpec()
