@@ -50,6 +50,9 @@ METHODS = {
     "mis_sequence": (RELAXED, ["loss.correction=mis_sequence"]),
 }
 """GSPO with its paper's clip on the sequence ratio (arXiv 2507.18071: 3e-4 / 4e-4)."""
+OWN_DATA = {"grpo": ("grpo", [])}
+"""Reference runs that generate their own stages (grpo refreshes every 4 updates, so it cannot replay
+one stage of 64); only with ``--only grpo``."""
 SOURCE = "icepop"
 OUT = RESULTS / "toy_lab_corrections.json"
 
@@ -73,8 +76,10 @@ def summarise(runs: list[dict]) -> dict:
 
     out = {}
     for key, rs in groups.items():
-        quarters = lambda r, k: [statistics.fmean([u.get(k) or 0.0 for u in r["updates"][q * 16:(q + 1) * 16]])  # noqa: E731
-                                 for q in range(4)]
+        def quarters(r, k):
+            n = len(r["updates"]) // 4
+            return [statistics.fmean([u.get(k) or 0.0 for u in r["updates"][q * n:(q + 1) * n]]) for q in range(4)]
+
         clip = [statistics.fmean([(u.get("loss/clip_frac_low") or 0) + (u.get("loss/clip_frac_high") or 0)
                                   for u in r["updates"]]) for r in rs]
         out[key] = {
@@ -83,7 +88,7 @@ def summarise(runs: list[dict]) -> dict:
             "final_pass1": stat([statistics.fmean(p["pass1"] for p in r["eval"][-2:]) for r in rs]),
             "kl_by_quarter": [stat([quarters(r, "loss/kl_behavior")[q] for r in rs]) for q in range(4)],
             "masked_frac": stat([statistics.fmean(masked_frac(u) for u in r["updates"]) for r in rs]),
-            "masked_frac_last_quarter": stat([statistics.fmean(masked_frac(u) for u in r["updates"][48:])
+            "masked_frac_last_quarter": stat([statistics.fmean(masked_frac(u) for u in r["updates"][-len(r["updates"]) // 4:])
                                               for r in rs]),
             "ppo_clip_frac": stat(clip),
             "cispo_clipped_frac": stat([statistics.fmean(u.get("loss/cispo_clipped_frac") or 0.0
@@ -100,6 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help=f"methods to run (of {', '.join(METHODS)}); the source ({SOURCE}) "
                                               "always runs first at the first lr")
     ap.add_argument("--eval-every", type=int, default=LONG_SIZE.eval_every)
+    ap.add_argument("--total-updates", type=int, default=LONG_SIZE.total_updates,
+                    help="the one stage's length mu (smoke tests only: the comparison is at 64)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--plot", action="store_true", help="only redraw the figure and print the table")
     args = ap.parse_args(argv)
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
     spec = long_task.LongSpec()
     model_dir = long_task.build(spec)
     warm = json.loads((model_dir / "warmstart.json").read_text())
-    size = LabSize(**{**asdict(LONG_SIZE), "eval_every": args.eval_every})
+    size = LabSize(**{**asdict(LONG_SIZE), "eval_every": args.eval_every, "total_updates": args.total_updates})
     size.max_new_tokens = warm["max_new_tokens"]
     command = " ".join(["python -m benchmarks.toy_lab.corrections"] + (argv or sys.argv[1:]))
     result = {"benchmark": "toy_lab_corrections", "size": asdict(size), "warmstart": warm, "machine": machine(),
@@ -125,6 +132,7 @@ def main(argv=None) -> int:
         result["runs"], result["command"] = old["runs"], old["command"] + " ; " + command
     done = {(r["name"], r["seed"], r["lr"]) for r in result["runs"]}
     names = [SOURCE] + [m for m in METHODS if m != SOURCE and (not args.only or m in args.only)]
+    names += [m for m in OWN_DATA if args.only and m in args.only]
     work = warmstart.CACHE / "runs"
     t_all, cpu_all = time.perf_counter(), _cpu_s()
     for seed in args.seeds:
@@ -134,13 +142,14 @@ def main(argv=None) -> int:
                 if (name, seed, lr) in done:
                     continue
                 is_source = name == SOURCE and lr == args.lrs[0] and not (source / "config.yaml").is_file()
-                preset, overrides = METHODS[name]
+                preset, overrides = METHODS[name] if name in METHODS else OWN_DATA[name]
                 run_size = LabSize(**{**asdict(size), "lr": lr})
-                print(f"[corrections] {name} lr {lr:g} seed {seed} {'(generates)' if is_source else '(replays)'} ...",
+                print(f"[corrections] {name} lr {lr:g} seed {seed} {'(replays)' if name not in OWN_DATA and not is_source else '(generates)'} ...",
                       flush=True)
+                own = is_source or name in OWN_DATA
                 run = run_one(name, preset, overrides, seed, run_size, model_dir, spec, work, long_task,
-                              keep=source if is_source else None, replay=None if is_source else source)
-                run.update(lr=lr, replayed=not is_source)
+                              keep=source if is_source else None, replay=None if own else source)
+                run.update(lr=lr, replayed=not own)
                 result["runs"].append(run)
                 ev = run["eval"]
                 print(f"[corrections] {name} lr {lr:g} seed {seed}: pass@1 {ev[0]['pass1']:.3f} -> final "

@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from benchmarks.toy_lab.corrections import METHODS, OUT, masked_frac
+from benchmarks.toy_lab.corrections import METHODS, OUT, OWN_DATA, masked_frac
 
 
 def _curve(runs, key_fn, width=4):
@@ -47,7 +47,7 @@ def plot(path: Path = OUT) -> Path:
     result = json.loads(Path(path).read_text())
     runs = result["runs"]
     lrs = sorted({r["lr"] for r in runs}, reverse=True)
-    names = [m for m in METHODS if any(r["name"] == m for r in runs)]
+    names = [m for m in [*METHODS, *OWN_DATA] if any(r["name"] == m for r in runs)]
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(names)}
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     ax = axes[0]
