@@ -27,8 +27,9 @@ its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV c
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
 
 Logs: vLLM's own loggers are set to ERROR unless ``MUGRPO_VLLM_VERBOSE=1`` (or an explicit
-``VLLM_LOGGING_LEVEL``): a default run printed dozens of WARNING lines per sync, every one of them
-checked harmless (docs/VLLM.md, "Log messages"). Errors still print, and exceptions still raise.
+``VLLM_LOGGING_LEVEL``): a default run printed 37 (tiny model) to about 150 (SmolLM2) WARNING
+lines, two more at every sync, every kind checked harmless (docs/VLLM.md, "Log messages"). Errors
+still print, and exceptions still raise.
 
 At most one in-process engine per process at a time: vLLM 0.32 keeps its parallel state in module
 globals, and shutting one in-process ``LLM`` down breaks any other that is still alive.
@@ -93,7 +94,7 @@ def _quiet_vllm_logs() -> None:
 
     Hidden by default, each checked harmless (docs/VLLM.md, "Log messages"): "ParallelLMHead" and
     "RotaryEmbedding: Failed to load weights" at every sync, "Attempted to load weight ... float32
-    into ... bfloat16" per tensor, the thread-binding and start-up notices. vLLM's ERROR lines and
+    into ... bfloat16" per tensor at start-up, the thread-binding and start-up notices. vLLM's ERROR lines and
     every exception still reach the console.
     """
     if _verbose():
