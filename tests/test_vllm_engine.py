@@ -135,6 +135,18 @@ def test_missing_vllm_error_names_the_install_command(monkeypatch):
         make_engine("vllm", "unused-model-path", None, _rollout_cfg())
 
 
+@pytest.mark.parametrize("env,level", [({}, "ERROR"), ({"MUGRPO_VLLM_VERBOSE": "1"}, None),
+                                       ({"VLLM_LOGGING_LEVEL": "DEBUG"}, "DEBUG")])
+def test_vllm_log_level_knob(monkeypatch, env, level):
+    """Runs in the default suite: quiet (ERROR) unless MUGRPO_VLLM_VERBOSE=1 or an explicit VLLM_LOGGING_LEVEL."""
+    from mugrpo.rollout.engines.vllm import _quiet_vllm_logs
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("MUGRPO_VLLM_VERBOSE", "VLLM_LOGGING_LEVEL")}
+    monkeypatch.setattr(os, "environ", {**environ, **env})
+    _quiet_vllm_logs()
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == level  # None: vLLM keeps its own default (INFO)
+
+
 @pytest.mark.vllm
 def test_behavior_logprobs_match_trainer_fp32(tiny, engine_fp32):
     path, tokenizer, prompts = tiny
@@ -224,6 +236,69 @@ def test_generation_is_seeded_and_leaves_the_global_rng_alone(tiny, engine_fp32)
     assert tokens(first) == tokens(again)
     assert tokens(first) != tokens(other)
     assert len({tuple(c.token_ids) for c in first[0]}) > 1  # the n samples of a prompt differ
+
+
+@pytest.mark.vllm
+def test_greedy_generation_returns_the_argmax_token(tiny, engine_fp32):
+    path, _, prompts = tiny
+    policy = load_policy(path)
+    engine_fp32.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+    # n = 1: vLLM 0.32 refuses greedy sampling with n > 1 (evaluation asks for one greedy answer).
+    out = engine_fp32.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=6, seed=5))
+    assert sum(len(g[0].token_ids) for g in out) >= 8  # several steps to check, not one EOS per prompt
+    for prompt, group in zip(prompts, out):
+        ids = torch.tensor([prompt + group[0].token_ids])
+        with torch.no_grad():  # position P - 1 + t predicts token t
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        assert group[0].token_ids == logits.argmax(-1).tolist()
+
+
+_LOG_PROBE = """
+import logging, sys, torch
+from mugrpo.config import Config
+from mugrpo.rollout.engines import make_engine
+from mugrpo.rollout.engines.base import SamplingConfig
+from mugrpo.models.loading import load_policy, load_tokenizer
+
+if __name__ == "__main__":
+    path = sys.argv[1]
+    cfg = Config().rollout
+    cfg.vllm_kv_cache_gb, cfg.dtype = 0.25, "bfloat16"  # a float32 checkpoint into bf16: the cast warnings
+    engine = make_engine("vllm", path, load_tokenizer(path), cfg, seed=0)
+    engine.load_weights((n, p.detach()) for n, p in load_policy(path).named_parameters())  # the sync warnings
+    engine.generate([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=4))
+    engine.close()
+    logging.getLogger("vllm.v1.engine.core").error("PROBE: an error vLLM logs")
+    cfg.vllm_kv_cache_gb = 1e-6  # about 1 KB of KV cache: vLLM refuses to start
+    make_engine("vllm", path, load_tokenizer(path), cfg, seed=0)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("verbose", [False, True])
+def test_vllm_logs_are_quiet_by_default_and_errors_still_print(tiny, tmp_path, verbose):
+    import re
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(_LOG_PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("MUGRPO_VLLM_VERBOSE", "VLLM_LOGGING_LEVEL")}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), **({"MUGRPO_VLLM_VERBOSE": "1"} if verbose else {}))
+    run = subprocess.run([sys.executable, str(script), tiny[0]], env=env, capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout + run.stderr
+    warnings = re.findall(r"WARNING \d\d-\d\d .*", out)
+    print(f"\n[logs] verbose={verbose}: {len(warnings)} vLLM WARNING lines")
+    # A start, a sync and a generation give "Failed to load weights" and "Attempted to load weight"
+    # lines (and more) at vLLM's default level; none by default.
+    if verbose:
+        assert any("Failed to load weights" in w for w in warnings), out[-3000:]
+    else:
+        assert warnings == [], warnings
+    # Errors reach the console either way: vLLM's own ERROR lines, and the exception that ends the run.
+    assert run.returncode != 0
+    assert "PROBE: an error vLLM logs" in out
+    assert "No available memory for the cache blocks" in out, out[-3000:]
 
 
 @pytest.mark.vllm

