@@ -14,7 +14,7 @@ from mugrpo.training.distributed import World
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.loading import load_policy
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, optimizer_update
+from mugrpo.training.trainer import RunState, Trainer
 
 
 def _stage(vocab: int, prompt_lens, response_lens, G: int, advantages=None, seed: int = 0) -> StageData:
@@ -154,7 +154,7 @@ def test_unsupported_model_falls_back_to_the_plain_path(tmp_path):
 
 
 def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, **opt_kwargs):
-    """One optimizer_update from a perturbed float64 policy; returns (parameter change, metrics).
+    """One Trainer.update from a perturbed float64 policy; returns (parameter change, metrics).
 
     float64, so that equality up to rounding can be asserted tightly: in float32 the tiny model's
     layer-norm gradients (sums with heavy cancellation) differ by up to 4e-5 relative between two
@@ -171,8 +171,7 @@ def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, **op
     optimizer = optimizer_cls(policy.parameters(), **opt_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.detach().clone() for p in policy.parameters()]
-    metrics = optimizer_update(policy, optimizer, scheduler, data, RunState(stage=0, update_in_stage=0), cfg,
-                               make_plan(cfg), World(), torch.device("cpu"))
+    metrics = Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"), state=RunState(stage=0, update_in_stage=0)).update(data)
     return [b - p.detach() for b, p in zip(before, policy.parameters())], metrics
 
 
