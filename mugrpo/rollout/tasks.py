@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from mugrpo.errors import TaskError
+from mugrpo.rollout import TASK_KINDS
 from mugrpo.rollout.rewards import RewardFn, ScoreStats, make_reward, score
 
 __all__ = ["Item", "Task", "TaskError", "ScoreStats", "build_task", "clean_split", "extract_boxed", "prompt_ids"]
@@ -111,20 +112,21 @@ def build_task(task_cfg, rows: Optional[list[dict]] = None, eval_rows: Optional[
     (:func:`mugrpo.train`), used in place of loading ``task.name``."""
     if rows is not None:
         name, items, eval_items, correctness = _python_rows(task_cfg, rows, eval_rows)
-    elif task_cfg.kind == "rows":
-        raise TaskError(f"task.name={task_cfg.name!r}: this run's data were passed from Python to mugrpo.train and "
-                        "are not stored in its config; resume it from Python with the same data "
-                        "(mugrpo.train(run_dir=..., train_dataset=..., resume=True)), and evaluate its model on a "
-                        "named task or file (mugrpo eval --model RUN_DIR/final_model --task FILE.jsonl)")
-    elif task_cfg.kind == "reasoning_gym":
-        name, items, eval_items, correctness = _reasoning_gym(task_cfg)
-    else:
-        name, items, eval_items, correctness = _math(task_cfg)
+    else:  # the source registered as task.kind (mugrpo.rollout.TASK_KINDS)
+        name, items, eval_items, correctness = TASK_KINDS.get(task_cfg.kind)(task_cfg)
     rewards, eval_reward = _rewards(task_cfg, correctness)
     if any(r.builtin and r.fn is _math_verify for r in rewards):
         _require_answers(name, items + eval_items)
     items, eval_items = clean_split(name, items, eval_items, task_cfg.eval_size)
     return Task(name, items, eval_items, rewards, task_cfg.reward_timeout_s, eval_reward)
+
+
+def rows_source(task_cfg):
+    """``task.kind=rows`` without rows: the data were given from Python and are not in the config."""
+    raise TaskError(f"task.name={task_cfg.name!r}: this run's data were passed from Python to mugrpo.train and "
+                    "are not stored in its config; resume it from Python with the same data "
+                    "(mugrpo.train(run_dir=..., train_dataset=..., resume=True)), and evaluate its model on a "
+                    "named task or file (mugrpo eval --model RUN_DIR/final_model --task FILE.jsonl)")
 
 
 def _rewards(task_cfg, correctness) -> tuple[list[RewardFn], Optional[int]]:
@@ -204,7 +206,8 @@ def clean_split(name: str, items: list[Item], eval_items: list[Item], eval_size:
     return train, held_out
 
 
-def _reasoning_gym(task_cfg):
+def reasoning_gym_source(task_cfg):
+    """``task.kind=reasoning_gym``: (name, items, eval items, correctness) of a procedural generator."""
     import reasoning_gym
 
     def make(size: int, seed: int):
@@ -280,7 +283,8 @@ def _check_jsonl_rows(path: Path) -> None:
                                 "object of columns (e.g. {\"question\": ..., \"answer\": ...})")
 
 
-def _math(task_cfg):
+def math_source(task_cfg):
+    """``task.kind=math``: (name, items, eval items, correctness) of a local file or HF dataset."""
     rows = load_rows(task_cfg.name, task_cfg.split, task_cfg.subset)
     if not rows:
         raise TaskError(f"dataset {task_cfg.name!r} is empty")
