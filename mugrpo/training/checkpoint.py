@@ -48,7 +48,7 @@ from mugrpo.errors import UserError
 from mugrpo.training import distributed as dist
 from mugrpo.models import lora
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
-                           set_value, to_dict, validate)
+                           resume_safe_keys, set_value, to_dict, validate)
 from mugrpo.training.data import SHARDS_FILE, atomic_write_text
 from mugrpo.training.faults import maybe_die
 
@@ -68,11 +68,7 @@ class RunState:
     """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
-RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
-                    "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
-                    "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
-                    "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
-                    "parallel.timeout_s", "eval.", "log.")
+RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
 """Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
 
 
