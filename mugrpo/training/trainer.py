@@ -43,7 +43,7 @@ from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.training.hardware import Resolved, detect, resolve
 from mugrpo.algo.losses import LossSettings, finalize_metrics, policy_loss
 from mugrpo.observability.loggers import NullLogger, make_logger
-from mugrpo.models.loading import load_policy, load_tokenizer, resolve_model_path
+from mugrpo.models.loading import check_context, load_policy, load_tokenizer, resolve_model_path
 from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.rewards import per_reward_counts, per_reward_metrics
@@ -78,7 +78,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         _configure_torch(cfg)
         model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
         model_path = dist.broadcast_object(model_path)
-        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)  # checks its vocab against the model
+        check_context(model_path, cfg, cfg.model.trust_remote_code)
         policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
         ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
         if cfg.model.gradient_checkpointing:
