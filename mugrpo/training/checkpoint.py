@@ -30,6 +30,7 @@ run may resume on a different number of processes (its stage data permitting, se
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -287,8 +288,46 @@ def _full_state_dict(items) -> dict[str, torch.Tensor]:
     return {name: t.cpu().contiguous() for name, t in items if t is not None}
 
 
+class DiskFullError(UserError, OSError):
+    """The disk filled up while a checkpoint was written; the message says nothing was lost."""
+
+
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
-    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder."""
+    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder.
+
+    A full disk raises :class:`DiskFullError` (after removing the partial folder) instead of a raw
+    ``torch.save`` traceback: the write goes to a temporary folder first, so earlier checkpoints are
+    intact and ``--resume`` continues from the last one."""
+    try:
+        return _save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s)
+    except (OSError, RuntimeError) as exc:
+        cause = _write_failure(exc)
+        if cause is None:
+            raise
+        if world.is_main:
+            remove_stale_temporaries(run_dir)
+        last = sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))
+        raise DiskFullError(
+            f"{cause} while writing a checkpoint in {Path(run_dir) / 'checkpoints'} ({exc}). Nothing was lost: "
+            "the partial checkpoint was removed and "
+            + (f"the last complete one, {last[-1].name}, is intact" if last else "no earlier checkpoint was touched")
+            + f". Free some space, then continue with: mugrpo train --resume {run_dir}") from exc
+
+
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing", "file write failed", "unexpected pos")
+"""torch.save's zip writer reports a failed write as a RuntimeError with one of these, and no errno."""
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write); else None."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+    if isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TORCH_WRITE_FAILED):
+        return "a write failed (torch gives no reason; almost always no space left on device)"
+    return None
+
+
+def _save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
     root = Path(run_dir) / "checkpoints"
     name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
     final = root / name
