@@ -2,7 +2,7 @@
 
 Resolution order: dataclass defaults (:mod:`mugrpo.config.schema`) -> preset
 (:mod:`mugrpo.config.presets`) -> YAML file -> ``key=value`` overrides, then
-:func:`mugrpo.config.schema.validate`. A YAML file and the command line hold only what differs from
+:func:`mugrpo.config.rules.validate`. A YAML file and the command line hold only what differs from
 the defaults. Every error names the offending key and what is accepted. No range rule lives here.
 """
 
@@ -19,7 +19,8 @@ import yaml
 
 from mugrpo.config import schema
 from mugrpo.config.presets import PRESETS
-from mugrpo.config.schema import Config, validate
+from mugrpo.config.rules import validate
+from mugrpo.config.schema import Config
 from mugrpo.errors import ConfigError
 
 

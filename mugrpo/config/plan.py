@@ -1,7 +1,7 @@
 """Stage planner: the schedule's derived quantities, computed once from the config (pure).
 
 This module imports the config schema, never the reverse: the schedule's consistency rules live in
-:func:`mugrpo.config.schema.stage_shape`, which both validation and :func:`make_plan` call.
+:func:`mugrpo.config.rules.stage_shape`, which both validation and :func:`make_plan` call.
 
 Nothing here is written back into the config. ``mugrpo plan`` prints :func:`format_plan`.
 
@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mugrpo.config.schema import Config, stage_shape
+from mugrpo.config.rules import stage_shape
+from mugrpo.config.schema import Config
 from mugrpo.errors import ConfigError
 
 
