@@ -33,9 +33,9 @@ PROMPTS = ["u:Calculate 5 - 3.\na:", "u:Hi\na:", "u:What is 7 + 1?\na:", "u:Say 
 
 def _rollout_cfg(**overrides):
     cfg = Config().rollout
-    cfg.vllm_kv_cache_gb = 0.25  # ~250k tokens of the tiny model's KV; the 2 GiB default is for real models
+    cfg.vllm.kv_cache_gb = 0.25  # ~250k tokens of the tiny model's KV; the 2 GiB default is for real models
     for key, value in overrides.items():
-        setattr(cfg, key, value)
+        setattr(cfg.vllm, key.removeprefix("vllm_"), value) if key.startswith("vllm_") else setattr(cfg, key, value)
     return cfg
 
 
@@ -335,7 +335,7 @@ def test_training_through_vllm_raises_the_reward(tiny, shared, tmp_path):
     shared.release()
     overrides = [f"model.name={path}", "rollout.engine=vllm", "task.reward_fn=vllm_rewards:fraction_of_ones",
                  "task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8", "optim.lr=3e-3", "train.autocast=none",
-                 "rollout.vllm_kv_cache_gb=0.25",
+                 "rollout.vllm.kv_cache_gb=0.25",
                  "schedule.total_updates=16", "schedule.num_stages=4", "train.progress=false",
                  "train.save_stage_text=false", "train.save_final_model=false"]
     train(load_config(overrides=overrides), tmp_path / "run")

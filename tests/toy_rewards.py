@@ -56,3 +56,9 @@ def flaky(completion, answer, item):
     if "3" in completion:
         return None
     return frac_ones(completion, answer, item)
+
+
+def hard_exits(completion, answer, item):
+    import os
+
+    os._exit(3)  # skips every finally and handler: the run would end without a message

