@@ -109,8 +109,20 @@ def main(argv=None) -> int:
                     help="the one stage's length mu (smoke tests only: the comparison is at 64)")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--plot", action="store_true", help="only redraw the figure and print the table")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine these results files (e.g. one driver per "
+                    "seed, run side by side) into --out, then exit")
     args = ap.parse_args(argv)
     out_path = Path(args.out)
+    if args.merge:
+        parts = [json.loads(Path(p).read_text()) for p in args.merge]
+        merged = {**parts[0], "runs": [r for p in parts for r in p["runs"]],
+                  "command": " ; ".join(p["command"] for p in parts),
+                  "parts": [{"command": p["command"], "machine": p["machine"], "session_s": p.get("session_s"),
+                             "session_cpu_s": p.get("session_cpu_s")} for p in parts]}
+        merged["summary"] = summarise(merged["runs"])
+        out_path.write_text(dump_json(merged))
+        print(f"[corrections] merged {len(merged['runs'])} runs into {out_path}")
+        return 0
     if args.plot:
         from benchmarks.toy_lab.plot_corrections import plot, table
 
