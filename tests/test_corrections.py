@@ -218,7 +218,7 @@ def test_zero_advantage_stays_inert_and_stored_logprobs_get_no_gradient(name):
     surrogate, _, _ = clipped_surrogate(x.logprobs - x.behavior_logprobs.detach(), x.advantages, 0.0, 5.0)
     token_loss, keep = C.apply_correction(surrogate, x.logprobs, x.advantages, x.mask, corr)
     loss = (token_loss * keep).sum()
-    assert float(loss) == 0.0
+    assert float(loss.detach()) == 0.0
     loss.backward()
     assert float(x.logprobs.grad.abs().sum()) == 0.0
     x2 = random_inputs(1, [1.0, -1.0, 0.5])
@@ -247,3 +247,65 @@ def test_splitting_the_batch_gives_the_same_gradient(name):
     whole = grad_of(slice(0, 4))
     torch.testing.assert_close(grad_of(slice(0, 2)) + grad_of(slice(2, 4)), whole)
     assert float(whole.abs().sum()) > 0  # the case is not trivially zero
+
+
+# --- through the registry and the loss ------------------------------------------------------------------
+
+def test_policy_loss_applies_the_configured_correction_and_logs_it():
+    from mugrpo.algo.losses import LossSettings, policy_loss
+    from mugrpo.config import LossConfig
+
+    # the OPSM case above through policy_loss (relaxed clip, no veto): sequence 0 (A = -1, k1 0.375) masked;
+    # loss -0.346333 as computed there, the masked tokens still in the denominator (4)
+    lp = t([[-1.25, -2.5], [-1.25, -2.5]], requires_grad=True)
+    engine = t([[-1.0, -2.0], [-1.0, -2.0]])
+    settings = LossSettings.from_config(LossConfig(veto_scope="none", correction="opsm", opsm_delta=0.1), 2)
+    loss, metrics = policy_loss(lp, engine, t([-1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), settings,
+                                denominator=4.0)
+    assert float(loss.detach()) == pytest.approx(-0.346333, abs=1e-6)
+    assert frac(metrics["loss/opsm_masked_seq_frac"]) == 0.5
+    assert frac(metrics["loss/correction_masked_frac"]) == 0.5
+    # correction "none": both sequences count, -(0.778801 + 0.606531) / 4 from sequence 1 plus
+    # sequence 0 (A = -1, rho as above): +(0.778801 + 0.606531) / 4 -> 0
+    settings = LossSettings.from_config(LossConfig(veto_scope="none"), 2)
+    loss, metrics = policy_loss(lp, engine, t([-1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), settings,
+                                denominator=4.0)
+    assert float(loss.detach()) == pytest.approx(0.0, abs=1e-6) and "loss/correction_masked_frac" not in metrics
+
+
+def test_a_new_correction_is_one_registration():
+    # what adding a correction takes: a function returning a Correction, registered by name; the config
+    # accepts the name and the loss applies it (here: keep only the first token of every response)
+    from mugrpo.algo.losses import LossSettings, policy_loss
+    from mugrpo.algo.registries import CORRECTIONS
+    from mugrpo.config import LossConfig
+    from mugrpo.errors import ConfigError
+
+    def first_token_only(x, s):
+        keep = x.mask.clone()
+        keep[:, 1:] = False
+        return C.Correction(keep=keep, metrics={"loss/first_only_frac": C.pair(keep.sum(), x.mask.sum())})
+
+    with pytest.raises(ConfigError, match="loss.correction"):
+        LossConfig(correction="first_only").validate()
+    CORRECTIONS.register("first_only", first_token_only)
+    try:
+        cfg = LossConfig(veto_scope="none", correction="first_only")
+        cfg.validate()
+        lp = t([[-1.0, -1.0]], requires_grad=True)
+        # rho = 1, A = 1: token losses -1, -1; only the first kept -> -1 / 2 tokens = -0.5
+        loss, metrics = policy_loss(lp, t([[-1.0, -1.0]]), t([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                                    LossSettings.from_config(cfg, 2), denominator=2.0)
+        assert float(loss.detach()) == pytest.approx(-0.5) and frac(metrics["loss/first_only_frac"]) == 0.5
+    finally:
+        CORRECTIONS._entries.pop("first_only")
+        CORRECTIONS._loaded.pop("first_only", None)
+
+
+def test_icepop_without_trainer_logprobs_is_a_config_error():
+    from mugrpo.config import LossConfig
+    from mugrpo.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="loss.behavior_logprobs=trainer"):
+        LossConfig(correction="icepop").validate()
+    LossConfig(correction="icepop", behavior_logprobs="trainer").validate()

@@ -224,8 +224,14 @@ def apply_correction(surrogate_loss: torch.Tensor, logprobs: torch.Tensor, advan
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry entries: ``entry(x: CorrectionInputs, s) -> Correction`` with ``s`` the loss settings
-# (:class:`mugrpo.algo.losses.LossSettings`, which carries the ``loss.*`` parameters by name).
+# Registry entries (:data:`mugrpo.algo.registries.CORRECTIONS`): ``entry(x: CorrectionInputs, s) ->
+# Correction | None`` with ``s`` the loss settings (:class:`mugrpo.algo.losses.LossSettings`, which
+# carries the ``loss.*`` parameters by name).
+
+
+def no_correction(x: CorrectionInputs, s) -> None:
+    """``loss.correction=none``: the loss of sections 5-7, untouched."""
+    return None
 
 
 def opsm_entry(x: CorrectionInputs, s) -> Correction:

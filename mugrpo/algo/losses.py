@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mugrpo.algo.registries import AGGREGATORS, RATIO_MODES, SURROGATES
+from mugrpo.algo.corrections import CorrectionInputs, apply_correction
+from mugrpo.algo.registries import AGGREGATORS, CORRECTIONS, RATIO_MODES, SURROGATES
 from mugrpo.algo.veto import veto_mask
 
 LOG_RATIO_GUARD = 20.0
@@ -109,6 +110,15 @@ class LossSettings:
     aggregation: str
     kl_beta: float
     entropy_coef: float
+    correction: str
+    """The off-policy correction (:data:`mugrpo.algo.registries.CORRECTIONS`), and its parameters:"""
+    opsm_delta: float
+    icepop_low: float
+    icepop_high: float
+    cispo_eps_low: float
+    cispo_eps_high: float
+    mis_low: float
+    mis_high: float
     seq_len_norm: int
     """L of ``seq-mean-token-sum-norm`` (the run's max new tokens)."""
     behavior_logprobs: str = "engine"
@@ -168,7 +178,8 @@ def sequence_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Ten
 def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, settings: LossSettings, *, denominator: torch.Tensor | float,
                 ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                is_weights: torch.Tensor | None = None, engine_logprobs: torch.Tensor | None = None,
+                trainer_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Mu-GRPO loss of one micro-batch, and its metrics as [numerator, denominator] pairs.
 
     ``logprobs`` [B, T] carry the gradient; ``behavior_logprobs`` [B, T] are the stored behaviour
@@ -181,6 +192,12 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     surrogate, e.g. the truncated importance weight min(pi_trainer / pi_engine, C) of
     :func:`mugrpo.training.tis.tis_weights`; it scales neither the KL nor the entropy term, nor the
     normaliser. A = 0 tokens stay exactly 0 (0 * w = 0). None: the loss is exactly today's.
+
+    ``settings.correction`` (:mod:`mugrpo.algo.corrections`, docs/ALGORITHM.md section 5c) acts after
+    the veto: its mask narrows the kept tokens (the normaliser is unchanged), its weight multiplies
+    the token loss (IcePop's replaces ``is_weights``), CISPO replaces the surrogate. It reads
+    ``engine_logprobs`` [B, T] (what the engine sampled with; default ``behavior_logprobs``) and
+    ``trainer_logprobs`` [B, T] (the trainer's recompute, ``behavior_logprobs=trainer`` only).
     """
     s = settings
     mask = mask.bool()
@@ -191,9 +208,17 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     fkeep = keep.to(logprobs.dtype)
     surrogate_log_ratio = RATIO_MODES.get(s.ratio_level)(log_ratio, keep)
     token_loss, clip_low, clip_high, extra = SURROGATES.get(s.clip_mode)(surrogate_log_ratio, advantages, mask, s)
-    if is_weights is not None:
-        token_loss = token_loss * is_weights.detach().to(token_loss.dtype)
-    per_seq = (fkeep if s.veto_normalizer == "post_veto" else fmask).sum(1)
+    correction = CORRECTIONS.get(s.correction)(CorrectionInputs(
+        logprobs, behavior_logprobs.detach(), (behavior_logprobs if engine_logprobs is None else engine_logprobs).detach(),
+        advantages, mask, None if trainer_logprobs is None else trainer_logprobs.detach()), s)
+    vetoed_keep = keep
+    token_loss, keep = apply_correction(token_loss, logprobs, advantages, keep, correction, is_weights)
+    fkeep = keep.to(logprobs.dtype)
+    if correction is not None:
+        extra = {**extra, **correction.metrics,
+                 "loss/correction_masked_frac": _pair((vetoed_keep & ~keep).sum(), fmask.sum())}
+    # the per-sequence counts follow the normaliser: post-veto at most, never post-correction
+    per_seq = (vetoed_keep.to(logprobs.dtype) if s.veto_normalizer == "post_veto" else fmask).sum(1)
     agg = dict(mode=s.aggregation, denominator=denominator, seq_len_norm=s.seq_len_norm)
     pg_loss = aggregate(token_loss, fkeep, per_seq, **agg)
     total = pg_loss

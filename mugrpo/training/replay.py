@@ -24,7 +24,12 @@ from pathlib import Path
 from mugrpo.config import Config, ConfigError, from_dict, read_config_file
 from mugrpo.config.plan import make_plan
 from mugrpo.errors import UserError
-from mugrpo.training.data import SHARDS_FILE, StageData, StageDataError, atomic_write, shard_path, stage_dir, text_path
+from mugrpo.training.data import SHARDS_FILE, StageData, StageDataError, atomic_write, shard_path, text_path
+from mugrpo.training.run_dir import STAGE_METRICS_FILE, RunDir
+
+
+def stage_dir(run_dir: Path, stage: int) -> Path:
+    return RunDir(run_dir).stage(stage)
 
 MATCH_KEYS = {
     "model.name": "the model: the stored behaviour log-probs are its",
@@ -89,10 +94,10 @@ def check_source(source_dir: str | Path, cfg: Config, world_size: int = 1) -> Re
     where = f"replay source {str(source)!r}"
     if not source.is_dir():
         raise ReplayError(f"{where} is not a directory; give the run directory of an earlier mugrpo run")
-    if not (source / "config.yaml").is_file():
+    if not RunDir(source).config.is_file():
         raise ReplayError(f"{where} has no config.yaml, so it is not a mugrpo run directory")
     try:
-        src_cfg = from_dict(read_config_file(source / "config.yaml"))
+        src_cfg = from_dict(read_config_file(RunDir(source).config))
     except ConfigError as exc:
         raise ReplayError(f"{where}: its config.yaml cannot be used ({exc})") from exc
     stages = complete_stages(source)
@@ -171,27 +176,24 @@ def copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, *, need_t
             check_prompts(data, prompt_ids_of, path)
         atomic_write(shard_path(dest_stage_dir, shard), lambda tmp, p=path: shutil.copyfile(p, tmp))
         num_groups += data.num_groups
-    for rank in range(num_shards):  # the readable jsonl, when the source wrote it
-        text = text_path(src, rank, num_shards)
-        if text.is_file():
-            atomic_write(text_path(dest_stage_dir, rank, num_shards), lambda tmp, p=text: shutil.copyfile(p, tmp))
+    extras = [text_path(src, rank, num_shards) for rank in range(num_shards)] + [src / STAGE_METRICS_FILE]
+    for extra in extras:  # the readable jsonl and the generation metrics, when the source wrote them
+        if extra.is_file():
+            atomic_write(Path(dest_stage_dir) / extra.name, lambda tmp, p=extra: shutil.copyfile(p, tmp))
     atomic_write(Path(dest_stage_dir) / SHARDS_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta)))
     return num_groups
 
 
-RECORD_FILE = "replay.json"
-"""RUN_DIR/replay.json: the replay source of a run, written at its start, read by ``--resume``."""
-
-
 def record_source(run_dir: Path, source: ReplaySource) -> None:
-    """Remember the source in the new run's directory, so a resumed replay keeps replaying it."""
-    atomic_write(Path(run_dir) / RECORD_FILE, lambda tmp: Path(tmp).write_text(
+    """Remember the source in the new run's directory (RUN_DIR/replay.json), so a resumed replay keeps
+    replaying it."""
+    atomic_write(RunDir(run_dir).replay, lambda tmp: Path(tmp).write_text(
         json.dumps({"source": str(source.run_dir.resolve())}) + "\n"))
 
 
 def recorded_source(run_dir: Path) -> Path | None:
     """The replay source recorded in ``run_dir`` (None: the run generates its own stages)."""
-    path = Path(run_dir) / RECORD_FILE
+    path = RunDir(run_dir).replay
     if not path.is_file():
         return None
     try:
