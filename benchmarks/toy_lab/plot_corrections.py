@@ -26,13 +26,14 @@ def _curve(runs, key_fn, width=4):
 
 
 def table(result: dict) -> str:
-    rows = ["| method | lr | seeds | final pass@1 (per seed) | KL, last quarter | tokens masked (mean / last quarter) "
+    rows = ["| method | lr | seeds | final pass@1 (per seed) | KL by quarter of the stage | tokens masked (mean / last quarter) "
             "| PPO clip binds | CISPO weight capped |", "|---|---|---|---|---|---|---|---|"]
     for key, s in sorted(result["summary"].items(), key=lambda kv: (-kv[1]["lr"], -kv[1]["final_pass1"]["mean"])):
-        f, kl = s["final_pass1"], s["kl_by_quarter"][3]
+        f = s["final_pass1"]
+        kl = " / ".join(f"{q['mean']:.3f}" for q in s["kl_by_quarter"])
         pct = lambda st: "-" if st is None else f"{100 * st['mean']:.2f}%"  # noqa: E731
         rows.append(f"| {s['method']} | {s['lr']:g} | {s['num_seeds']} | {f['mean']:.3f} ± {f['std']:.3f} "
-                    f"({' / '.join(f'{v:.3f}' for v in f['values'])}) | {kl['mean']:.3f} | "
+                    f"({' / '.join(f'{v:.3f}' for v in f['values'])}) | {kl} | "
                     f"{pct(s['masked_frac'])} / {pct(s['masked_frac_last_quarter'])} | {pct(s['ppo_clip_frac'])} | "
                     f"{pct(s['cispo_clipped_frac'])} |")
     return "\n".join(rows)
