@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--run-dir", help="output folder (default runs/<preset>-<time>)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--replay", metavar="SOURCE_RUN_DIR",
-                       help="train on the stages SOURCE_RUN_DIR saved instead of generating them (docs/ALGORITHM.md 5d)")
+                       help="train on the stages SOURCE_RUN_DIR saved instead of generating (docs/ALGORITHM.md 5d)")
     plan = sub.add_parser("plan", help="print the stage plan a config implies, without training")
     _add_config_args(plan)
     config = sub.add_parser("config", help="print the resolved config (YAML) or the config reference")

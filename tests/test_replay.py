@@ -61,7 +61,8 @@ def test_a_matching_source_is_accepted_and_copied(tmp_path):
     assert src.stages == (0, 1)
     dest = tmp_path / "new" / "stages" / "stage_000"
     assert replay.copy_stage(src, 0, dest, need_trainer_logprobs=False, prompt_ids_of=fake_prompt_ids) == 8
-    copied, original = StageData.load(shard_path(dest, 0)), StageData.load(shard_path(stage_dir(tmp_path / "src", 0), 0))
+    copied = StageData.load(shard_path(dest, 0))
+    original = StageData.load(shard_path(stage_dir(tmp_path / "src", 0), 0))
     assert copied.responses == original.responses and copied.behavior_logprobs == original.behavior_logprobs
     assert torch.equal(copied.advantages, original.advantages)
     assert json.loads((dest / SHARDS_FILE).read_text())["num_shards"] == 1

@@ -88,8 +88,8 @@ def summarise(runs: list[dict]) -> dict:
             "final_pass1": stat([statistics.fmean(p["pass1"] for p in r["eval"][-2:]) for r in rs]),
             "kl_by_quarter": [stat([quarters(r, "loss/kl_behavior")[q] for r in rs]) for q in range(4)],
             "masked_frac": stat([statistics.fmean(masked_frac(u) for u in r["updates"]) for r in rs]),
-            "masked_frac_last_quarter": stat([statistics.fmean(masked_frac(u) for u in r["updates"][-len(r["updates"]) // 4:])
-                                              for r in rs]),
+            "masked_frac_last_quarter": stat([statistics.fmean(masked_frac(u) for u in
+                                                               r["updates"][-len(r["updates"]) // 4:]) for r in rs]),
             "ppo_clip_frac": stat(clip),
             "cispo_clipped_frac": stat([statistics.fmean(u.get("loss/cispo_clipped_frac") or 0.0
                                                          for u in r["updates"]) for r in rs]),
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
                 is_source = name == SOURCE and lr == args.lrs[0] and not (source / "config.yaml").is_file()
                 preset, overrides = METHODS[name] if name in METHODS else OWN_DATA[name]
                 run_size = LabSize(**{**asdict(size), "lr": lr})
-                print(f"[corrections] {name} lr {lr:g} seed {seed} {'(replays)' if name not in OWN_DATA and not is_source else '(generates)'} ...",
-                      flush=True)
+                how = "(replays)" if name not in OWN_DATA and not is_source else "(generates)"
+                print(f"[corrections] {name} lr {lr:g} seed {seed} {how} ...", flush=True)
                 own = is_source or name in OWN_DATA
                 run = run_one(name, preset, overrides, seed, run_size, model_dir, spec, work, long_task,
                               keep=source if is_source else None, replay=None if own else source)

@@ -26,8 +26,8 @@ def _curve(runs, key_fn, width=4):
 
 
 def table(result: dict) -> str:
-    rows = ["| method | lr | seeds | final pass@1 (per seed) | KL by quarter of the stage | tokens masked (mean / last quarter) "
-            "| PPO clip binds | CISPO weight capped |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| method | lr | seeds | final pass@1 (per seed) | KL by quarter of the stage "
+            "| tokens masked (mean / last quarter) | PPO clip binds | CISPO weight capped |", "|---|---|---|---|---|---|---|---|"]
     for key, s in sorted(result["summary"].items(), key=lambda kv: (-kv[1]["lr"], -kv[1]["final_pass1"]["mean"])):
         f = s["final_pass1"]
         kl = " / ".join(f"{q['mean']:.3f}" for q in s["kl_by_quarter"])

@@ -208,9 +208,10 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     fkeep = keep.to(logprobs.dtype)
     surrogate_log_ratio = RATIO_MODES.get(s.ratio_level)(log_ratio, keep)
     token_loss, clip_low, clip_high, extra = SURROGATES.get(s.clip_mode)(surrogate_log_ratio, advantages, mask, s)
+    engine = behavior_logprobs if engine_logprobs is None else engine_logprobs
     correction = CORRECTIONS.get(s.correction)(CorrectionInputs(
-        logprobs, behavior_logprobs.detach(), (behavior_logprobs if engine_logprobs is None else engine_logprobs).detach(),
-        advantages, mask, None if trainer_logprobs is None else trainer_logprobs.detach()), s)
+        logprobs, behavior_logprobs.detach(), engine.detach(), advantages, mask,
+        None if trainer_logprobs is None else trainer_logprobs.detach()), s)
     vetoed_keep = keep
     token_loss, keep = apply_correction(token_loss, logprobs, advantages, keep, correction, is_weights)
     fkeep = keep.to(logprobs.dtype)

@@ -111,9 +111,9 @@ def check_source(source_dir: str | Path, cfg: Config, world_size: int = 1) -> Re
                               "or replay another run")
     mine, theirs = make_plan(cfg, world_size), make_plan(src_cfg, world_size)
     if mine.prompts_per_stage != theirs.prompts_per_stage:
-        raise ReplayError(f"{where}: its stages hold {theirs.prompts_per_stage} prompts each but this run's plan draws "
-                          f"{mine.prompts_per_stage} per stage (rollout.prompts_per_stage, or schedule.prompts_per_update "
-                          "x the stage length); make them equal")
+        raise ReplayError(f"{where}: its stages hold {theirs.prompts_per_stage} prompts each but this run's plan "
+                          f"draws {mine.prompts_per_stage} per stage (rollout.prompts_per_stage, or "
+                          "schedule.prompts_per_update x the stage length); make them equal")
     if cfg.schedule.adaptive == "none":
         if mine.num_stages > len(stages):
             raise ReplayError(f"{where} holds {len(stages)} complete stage(s) but this run has {mine.num_stages} "
