@@ -139,10 +139,14 @@ def test_a_source_file_deleted_or_damaged_mid_run_is_named(tmp_path, damage):
     assert str(path) in str(info.value)
 
 
-def test_the_same_model_folder_by_another_path_is_accepted(tmp_path):
+def test_the_same_model_folder_or_task_file_by_another_path_is_accepted(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "model")
     write_run(tmp_path / "src", [f"model.name={tmp_path / 'model'}"])
     replay.check_source(tmp_path / "src", new_cfg(f"model.name={tmp_path / 'link'}"))
     (tmp_path / "other").mkdir()
     assert "model.name" in refusal(tmp_path / "src", new_cfg(f"model.name={tmp_path / 'other'}"))
+    (tmp_path / "rows.jsonl").write_text("")
+    (tmp_path / "rows_link.jsonl").symlink_to(tmp_path / "rows.jsonl")
+    write_run(tmp_path / "src2", ["task.kind=math", f"task.name={tmp_path / 'rows.jsonl'}"])
+    replay.check_source(tmp_path / "src2", new_cfg("task.kind=math", f"task.name={tmp_path / 'rows_link.jsonl'}"))

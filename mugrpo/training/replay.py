@@ -65,10 +65,11 @@ def _get(cfg, dotted: str):
     return value
 
 
-def _same_folder(a: str, b: str) -> bool:
-    """Two model names that are paths of the same local folder (e.g. through a link)."""
-    pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+def _same_path(a: str, b: str) -> bool:
+    """Two names (``model.name``, ``task.name``) that are paths of the same local folder or file, e.g.
+    through a link."""
+    pa, pb = Path(str(a)).expanduser(), Path(str(b)).expanduser()
+    return pa.exists() and pb.exists() and pa.resolve() == pb.resolve()
 
 
 def complete_stages(run_dir: Path) -> tuple[int, ...]:
@@ -112,7 +113,7 @@ def check_source(source_dir: str | Path, cfg: Config, world_size: int = 1) -> Re
                           "replay needs a run that generated at least one stage")
     for key, why in MATCH_KEYS.items():
         mine, theirs = _get(cfg, key), _get(src_cfg, key)
-        if key == "model.name" and _same_folder(mine, theirs):
+        if key in ("model.name", "task.name") and _same_path(mine, theirs):
             continue
         if mine != theirs:
             raise ReplayError(f"{where}: {key} is {theirs!r} there but {mine!r} here ({why}); set {key}={theirs!r} "
