@@ -50,6 +50,9 @@ METHODS = {
     "mis_sequence": (RELAXED, ["loss.correction=mis_sequence"]),
 }
 """GSPO with its paper's clip on the sequence ratio (arXiv 2507.18071: 3e-4 / 4e-4)."""
+COMMON = ["task.max_prompt_tokens=256"]
+"""For every run: the 1M-parameter model has 512 positions, and prompt (~30 tokens here) + 127 new tokens
+must fit (the context check at start); no prompt comes near 256, so nothing is truncated or skipped."""
 OWN_DATA = {"grpo": ("grpo", [])}
 """Reference runs that generate their own stages (grpo refreshes every 4 updates, so it cannot replay
 one stage of 64); only with ``--only grpo``."""
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
                 how = "(replays)" if name not in OWN_DATA and not is_source else "(generates)"
                 print(f"[corrections] {name} lr {lr:g} seed {seed} {how} ...", flush=True)
                 own = is_source or name in OWN_DATA
-                run = run_one(name, preset, overrides, seed, run_size, model_dir, spec, work, long_task,
+                run = run_one(name, preset, COMMON + overrides, seed, run_size, model_dir, spec, work, long_task,
                               keep=source if is_source else None, replay=None if own else source)
                 run.update(lr=lr, replayed=not own)
                 result["runs"].append(run)
