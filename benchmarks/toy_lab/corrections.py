@@ -86,7 +86,7 @@ def summarise(runs: list[dict]) -> dict:
         clip = [statistics.fmean([(u.get("loss/clip_frac_low") or 0) + (u.get("loss/clip_frac_high") or 0)
                                   for u in r["updates"]]) for r in rs]
         out[key] = {
-            "method": rs[0]["name"], "lr": rs[0]["lr"], "num_seeds": len(rs),
+            "method": rs[0]["name"], "lr": rs[0]["lr"], "num_seeds": len(rs), "seeds": [r["seed"] for r in rs],
             "initial_pass1": stat([r["eval"][0]["pass1"] for r in rs]),
             "final_pass1": stat([statistics.fmean(p["pass1"] for p in r["eval"][-2:]) for r in rs]),
             "kl_by_quarter": [stat([quarters(r, "loss/kl_behavior")[q] for r in rs]) for q in range(4)],

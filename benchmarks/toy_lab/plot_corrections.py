@@ -33,7 +33,7 @@ def table(result: dict) -> str:
         kl = " / ".join(f"{q['mean']:.3f}" for q in s["kl_by_quarter"])
         pct = lambda st: "-" if st is None else f"{100 * st['mean']:.2f}%"  # noqa: E731
         rows.append(f"| {s['method']} | {s['lr']:g} | {s['num_seeds']} | {f['mean']:.3f} ± {f['std']:.3f} "
-                    f"({' / '.join(f'{v:.3f}' for v in f['values'])}) | {kl} | "
+                    f"({', '.join(f's{k} {v:.3f}' for k, v in zip(s['seeds'], f['values']))}) | {kl} | "
                     f"{pct(s['masked_frac'])} / {pct(s['masked_frac_last_quarter'])} | {pct(s['ppo_clip_frac'])} | "
                     f"{pct(s['cispo_clipped_frac'])} |")
     return "\n".join(rows)
