@@ -198,7 +198,9 @@ def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
         rewards=torch.cat([d.rewards for d in parts]), advantages=torch.cat([d.advantages for d in parts]),
         finished=torch.cat([d.finished for d in parts]), item_indices=[i for d in parts for i in d.item_indices],
         group_size=parts[0].group_size, shard_sizes=[d.num_groups for d in parts],
-        trainer_logprobs=None if parts[0].trainer_logprobs is None else [t for d in parts for t in d.trainer_logprobs])
+        trainer_logprobs=None if parts[0].trainer_logprobs is None else [t for d in parts for t in d.trainer_logprobs],
+        turns=None if all(d.turns is None for d in parts)
+        else [d.turns_of(s) for d in parts for s in range(len(d.responses))])
 
 
 def rank_update_groups(data: StageData, prompts_per_rank: int, update_in_stage: int, seed: int, stage: int
