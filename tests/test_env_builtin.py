@@ -182,3 +182,19 @@ def test_every_named_environment_resolves():
 def test_bad_environment_names_and_arguments(name, kwargs, says):
     with pytest.raises(ValueError, match=says):
         env_factory(name, **kwargs)
+
+
+def test_the_docs_example_environment_runs():
+    # docs/ENVIRONMENTS.md "Writing your own": its code, run on scripted guesses.
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "ENVIRONMENTS.md").read_text()
+    code = doc.split("## Writing your own", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(code, namespace)
+    env = namespace["GuessTheNumber"]()
+    assert env.reset(Item("Guess.", "37"), seed=0) is None
+    steps = [env.step(a) for a in ("50", "\\boxed{50}", "\\boxed{20}", "\\boxed{37}")]
+    assert [s.observations[0]["content"] if s.observations else None for s in steps] == [
+        "Give your guess as \\boxed{n}.", "No: the number is lower.", "No: the number is higher.", None]
+    assert [(s.reward, s.done) for s in steps] == [(0.0, False)] * 3 + [(1.0, True)]
