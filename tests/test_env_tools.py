@@ -194,11 +194,13 @@ def test_a_turn_without_a_call_is_the_final_answer():
     assert (result.observations, result.reward, result.done) == ([], 0.0, True)
 
 
-def test_the_last_allowed_turn_ends_even_with_a_call():
+def test_a_call_never_ends_the_trajectory_the_turn_limit_does():
+    # max_turns is the loop's to enforce (it counts "turn_limit"); the environment only declares it.
     env = ToolEnvironment([add], max_turns=2)
-    assert not env.step(call("add", a=1, b=1)).done
-    last = env.step(call("add", a=1, b=1))
-    assert last.done and last.observations == [] and last.metadata["tool_calls"] == 1
+    assert env.max_turns == 2
+    for _ in range(3):
+        result = env.step(call("add", a=1, b=1))
+        assert not result.done and result.observations[0]["content"] == "2"
 
 
 def test_results_that_are_not_text_are_rendered():

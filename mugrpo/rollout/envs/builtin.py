@@ -112,12 +112,13 @@ class MultiAttemptEnvironment(Environment):
         self.attempts += 1
         self.solved = float(self.score(action, self.item)) >= 1.0
         if self.solved:
-            return StepResult([], self.discount ** (self.attempts - 1) - 1.0, True, {"num_attempts": self.attempts})
+            return StepResult([], self.discount ** (self.attempts - 1) - 1.0, True)
         if self.attempts >= self.max_attempts:
-            return StepResult([], 0.0, True, {"num_attempts": self.attempts})
-        return StepResult([{"role": "user", "content": self.feedback}], 0.0, False, {})
+            return StepResult([], 0.0, True)
+        return StepResult([{"role": "user", "content": self.feedback}], 0.0, False)
 
     def metrics(self) -> dict[str, float]:
+        # Only here, not also in step metadata: the loop sums both into env/<key>.
         return {"num_attempts": float(self.attempts), "num_solved": float(self.solved)}
 
 

@@ -214,7 +214,8 @@ def _error(message: str) -> str:
 class ToolEnvironment(Environment):
     """TRL's ``tools=``: a policy turn with ``<tool_call>`` blocks gets the results back; a turn
     without one is the final answer and ends the trajectory (reward 0 here: the task's rewards
-    score that final turn). ``max_turns`` counts policy turns, the final answer included."""
+    score that final turn). ``max_turns`` counts policy turns, the final answer included; the
+    rollout loop enforces it."""
 
     stop = ("</tool_call>",)
 
@@ -231,21 +232,19 @@ class ToolEnvironment(Environment):
         self._by_name = dict(zip(names, tools))
         self.max_turns, self.timeout_s = max_turns, timeout_s
         self.pool = pool or DEFAULT_POOL
-        self.turns = 0
 
     def tools(self) -> list[Callable]:
         return list(self._tools)
 
     def step(self, action: str) -> StepResult:
-        self.turns += 1
+        # Not done at the last allowed turn even with a call: the rollout loop stops there and
+        # counts it as "turn_limit", which "done" would hide.
         calls = parse_tool_calls(action)
         if not calls:
             return StepResult([], 0.0, True, dict.fromkeys(COUNT_KEYS, 0))
         contents, counts = self.call_tools(calls)
-        done = self.turns >= self.max_turns  # no turn left to read the results in
-        observations = [] if done else [{"role": "tool", "name": c.name or "unknown", "content": text}
-                                        for c, text in zip(calls, contents)]
-        return StepResult(observations, 0.0, done, counts)
+        observations = [{"role": "tool", "name": c.name or "unknown", "content": text} for c, text in zip(calls, contents)]
+        return StepResult(observations, 0.0, False, counts)
 
     def call_tools(self, calls: list[ToolCall]) -> tuple[list[str], dict]:
         """The text answering each call, and the counts (:data:`COUNT_KEYS`)."""
