@@ -144,3 +144,17 @@ def test_prompt_without_tools_is_the_plain_template(smollm2):
 def test_empty_observations_are_refused(smollm2):
     with pytest.raises(ValueError, match="at least one"):
         render.env_turn_ids(smollm2, [])
+
+
+def test_trajectory_prompt_without_tools_is_the_single_turn_prompt(smollm2):
+    from mugrpo.config import TaskConfig
+    from mugrpo.rollout.tasks import Item, prompt_ids as single_turn_ids
+
+    cfg = TaskConfig(system_prompt="Be exact.", few_shot=[{"question": "1+1?", "answer": "\\boxed{2}"}])
+    for item in (Item("2+2?", "4"), Item("2+2?", "4", {}, [{"role": "user", "content": "Two plus two?"}])):
+        for tok in (smollm2, build_char_tokenizer()):
+            assert render.trajectory_prompt_ids(tok, None, item, cfg) == single_turn_ids(tok, item.prompt, cfg)
+    given = [{"role": "user", "content": "env prompt"}]
+    assert render.trajectory_prompt_ids(smollm2, given, Item("2+2?", "4"), cfg) == ids(smollm2, given, True)
+    with_tools = smollm2.decode(render.trajectory_prompt_ids(smollm2, None, Item("2+2?", "4"), cfg, [calculate]))
+    assert with_tools.startswith("<|im_start|>system\nBe exact.\n\n# Tools") and "1+1?" in with_tools

@@ -29,7 +29,8 @@ from typing import Callable, Optional
 
 from mugrpo.rollout.envs.tools import protocol_text, tool_schemas
 
-__all__ = ["supports_tools", "prompt_messages", "prompt_ids", "env_turn_ids", "tool_messages_as_user"]
+__all__ = ["supports_tools", "prompt_messages", "prompt_ids", "trajectory_prompt_ids", "env_turn_ids",
+           "tool_messages_as_user"]
 
 _SENTINEL = "MUGRPO_SENTINEL_7f3a"
 _DUMMY_USER = {"role": "user", "content": "mugrpo"}
@@ -112,6 +113,18 @@ def prompt_ids(tokenizer, messages: list[dict], tools: list[Callable] = ()) -> l
     if getattr(tokenizer, "chat_template", None):
         return _ids(tokenizer, messages, schemas, generation_prompt=True)
     return _plain_ids(tokenizer, messages, add_special_tokens=True)
+
+
+def trajectory_prompt_ids(tokenizer, env_messages: Optional[list[dict]], item, task_cfg,
+                          tools: list[Callable] = ()) -> list[int]:
+    """The first prompt of a trajectory: the messages ``env.reset`` returned, else the task's usual
+    prompt (:func:`mugrpo.rollout.tasks.prompt_ids`' messages), with the environment's ``tools``.
+    Without tools and messages it is exactly the single-turn prompt."""
+    from mugrpo.rollout.tasks import render_messages
+
+    if env_messages is None:
+        env_messages = item.messages if item.messages is not None else render_messages(item.question, task_cfg)
+    return prompt_ids(tokenizer, env_messages, tools)
 
 
 def _plain_ids(tokenizer, messages: list[dict], add_special_tokens: bool, lead: str = "") -> list[int]:
