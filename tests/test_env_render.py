@@ -45,8 +45,7 @@ def smollm2():
 @pytest.fixture(scope="module")
 def qwen_like(smollm2):
     tok = copy.deepcopy(smollm2)  # same <|im_start|>/<|im_end|> specials, a tool-aware template
-    tok.chat_template = TOOL_TEMPLATE
-    tok.__dict__.pop("_mugrpo_supports_tools", None)
+    tok.chat_template = TOOL_TEMPLATE  # the support check is cached per template: no stale answer
     return tok
 
 
@@ -66,6 +65,10 @@ def test_tool_support_is_detected(smollm2, qwen_like):
     assert not render.supports_tools(smollm2)  # SmolLM2 drops tools and tool_calls
     assert render.supports_tools(qwen_like)
     assert not render.supports_tools(build_char_tokenizer())
+    tiny = build_char_tokenizer()
+    assert not render.supports_tools(tiny)
+    tiny.chat_template = TOOL_TEMPLATE  # a changed template is checked again
+    assert render.supports_tools(tiny)
 
 
 def test_smollm2_env_turn_is_a_tool_response_user_turn(smollm2):

@@ -51,12 +51,13 @@ def _ids(tokenizer, messages: list[dict], tools=None, generation_prompt: bool = 
 
 def supports_tools(tokenizer) -> bool:
     """True if the chat template renders tool schemas, assistant tool calls and tool results
-    (TRL's check: every sentinel must appear in the rendered text). Cached on the tokenizer."""
+    (TRL's check: every sentinel must appear in the rendered text). Cached on the tokenizer, per template."""
+    template = getattr(tokenizer, "chat_template", None)
     cached = getattr(tokenizer, "_mugrpo_supports_tools", None)
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0] == template:
+        return cached[1]
     ok = False
-    if getattr(tokenizer, "chat_template", None):
+    if template:
         schema = {"type": "function", "function": {
             "name": f"{_SENTINEL}_fn", "description": f"{_SENTINEL}_doc",
             "parameters": {"type": "object", "properties": {"x": {"type": "string", "description": "x"}},
@@ -71,7 +72,7 @@ def supports_tools(tokenizer) -> bool:
         except Exception:  # noqa: BLE001 - a template may reject tool messages outright: no support
             ok = False
     try:
-        tokenizer._mugrpo_supports_tools = ok
+        tokenizer._mugrpo_supports_tools = (template, ok)
     except AttributeError:
         pass
     return ok
