@@ -10,7 +10,7 @@ of the trajectories that finished their policy turn run concurrently (:mod:`mugr
 Token exactness (TRL's ``_tool_call_loop`` rule): the engine's sampled ids and behaviour log-probs
 are appended exactly as returned; an environment turn is appended as the renderer's ids with
 log-prob 0; nothing is ever decoded and re-encoded. ``turns[t]`` is k >= 0 for a token of policy
-turn k and -1 for an environment token (docs/ENVIRONMENTS.md, the stage-data layout).
+turn k and -1 for an environment token (docs/MULTITURN.md, the stage-data layout).
 
 A trajectory ends (``end_reason``), each counted by :func:`loop_metrics`:
 
