@@ -161,3 +161,59 @@ def _segments(turns):
             out.append((start, t, turns[start]))
             start = t
     return out
+
+
+def test_a_stage_of_calculator_trajectories_from_the_factory(tiny_model_dir):
+    # E1's calculator environment (a tool environment, stop "</tool_call>") through the whole path:
+    # start (reset, prompt with the tool protocol), the loop on the HF engine, close. The random
+    # model never writes a tool call, so every trajectory ends after turn 0: done (a final answer)
+    # or length; what is checked is the plumbing: prompts, groups, ids, the stop string passed on.
+    from mugrpo.config import TaskConfig
+    from mugrpo.rollout.envs.builtin import CalculatorEnvironment
+    from mugrpo.rollout.multiturn import loop_metrics, roll_out_items
+    from mugrpo.rollout.tasks import Item
+
+    tok = load_tokenizer(tiny_model_dir)
+    engine = Recording(_engine(tiny_model_dir, tok))
+    engine.eos = engine.engine.eos
+    items = [Item("1+1?", "2"), Item("2+3?", "5")]
+    prompts, trajs = roll_out_items(
+        engine, CalculatorEnvironment, items, SamplingConfig(max_new_tokens=8, seed=0),
+        LoopLimits(max_turns=2, max_response_tokens=8), group_size=2, reset_seed=1, tokenizer=tok,
+        task_cfg=TaskConfig(instruction="", few_shot=[], system_prompt=""))
+    assert len(prompts) == 2 and len(trajs) == 4
+    assert tok.decode(prompts[1]).endswith("u:2+3?\na:") and '"name": "calculate"' in tok.decode(prompts[0])
+    assert all(t.end_reason in ("done", "length") and t.turns == [0] * len(t.response_ids) for t in trajs)
+    assert [t.response_ids for t in trajs] == [c.token_ids for c in engine.turns[0]]
+    assert loop_metrics(trajs)["env/num_done"] + loop_metrics(trajs)["env/num_length"] == 4
+
+
+class Jittery(Feedback):
+    """Feedback whose steps take a random time: threads finish in a different order every run."""
+
+    def step(self, action):
+        import random
+        import time
+
+        time.sleep(random.random() * 0.05)
+        return super().step(action)
+
+
+def test_the_same_seed_gives_bitwise_the_same_trajectories_whatever_the_step_timing(tiny_model_dir):
+    # What resume relies on: a stage killed mid-trajectory is generated again from scratch and must
+    # come out identical (deterministic environments, seeded turns, results gathered by index).
+    tok = load_tokenizer(tiny_model_dir)
+    engine = _engine(tiny_model_dir, tok)
+
+    def once():
+        envs = [Jittery() for _ in range(6)]
+        return run_trajectories(engine, _prompts(tok), envs, SamplingConfig(max_new_tokens=12, seed=9),
+                                LoopLimits(max_turns=3, max_response_tokens=60, max_workers=6),
+                                render_env_turn=lambda m, eos: tok(f"\nu:{m[0]['content']}\na:")["input_ids"],
+                                decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos=[tok.eos_token_id])
+
+    a, b = once(), once()
+    assert any(t.num_turns > 1 for t in a)
+    for x, y in zip(a, b, strict=True):
+        assert (x.response_ids, x.behavior_logprobs, x.turns, x.end_reason, x.env_reward) == (
+            y.response_ids, y.behavior_logprobs, y.turns, y.end_reason, y.env_reward)

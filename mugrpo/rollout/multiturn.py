@@ -26,19 +26,21 @@ A trajectory ends (``end_reason``), each counted by :func:`loop_metrics`:
 The token budget covers every response token, policy and environment (``rollout.max_new_tokens``
 applies to the whole trajectory, TRL's ``max_completion_length`` semantics).
 
-This module knows nothing about rewards beyond the environment's, advantages or the loss; the
-environments are made and reset by the caller.
+This module knows nothing about rewards beyond the environment's, advantages or the loss.
+:func:`roll_out_items` is the whole generation of a stage from a factory (start, loop, close);
+:func:`run_trajectories` the loop on environments already reset.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
-from mugrpo.rollout.envs.base import Environment, StepResult
+from mugrpo.rollout.envs.base import EnvFactory, Environment, StepResult
 from mugrpo.rollout.steps import run_calls
 from mugrpo.training.faults import maybe_die
 from mugrpo.training.seeds import derive
@@ -116,6 +118,30 @@ class Trajectory:
         if limits.max_context is not None:
             room = min(room, limits.max_context - len(self.prompt_ids) - len(self.response_ids))
         return room
+
+
+def roll_out_items(engine, factory: EnvFactory, items: list, sampling: SamplingConfig, limits: LoopLimits, *,
+                   group_size: int, reset_seed: int, tokenizer, task_cfg,
+                   progress: Optional[Callable[[int], None]] = None) -> tuple[list[list[int]], list[Trajectory]]:
+    """A stage's trajectories for ``items``: (one prompt per item, G trajectories per item, group-major).
+
+    Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`), rolled
+    out, and closed (also when the loop raises). Environment turns are rendered by
+    :func:`mugrpo.rollout.envs.render.env_turn_ids`; a turn ends at the engine's EOS ids.
+    """
+    from mugrpo.rollout.envs.render import env_turn_ids
+    from mugrpo.rollout.envs.start import start_trajectories
+
+    prompts, envs = start_trajectories(factory, items, group_size, reset_seed, tokenizer, task_cfg)
+    try:
+        trajs = run_trajectories(engine, prompts, envs, sampling, limits,
+                                 render_env_turn=functools.partial(env_turn_ids, tokenizer),
+                                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                 eos=list(getattr(engine, "eos", [tokenizer.eos_token_id])), progress=progress)
+    except BaseException:
+        _close_all([Trajectory([], env, 1) for env in envs], limits)
+        raise
+    return prompts, trajs
 
 
 def run_trajectories(engine, prompts: list[list[int]], envs: list[Environment], sampling: SamplingConfig,
