@@ -71,3 +71,18 @@ def test_a_turn_nobody_reached_has_no_fraction():
     sums, counts = per_turn_counts(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2), 2)
     frac = safe_ratio(sums, counts)
     assert frac[0] == 0 and math.isnan(frac[1])
+
+
+def test_turn_metrics_are_numerator_denominator_pairs():
+    from mugrpo.algo.turns import turn_metrics
+
+    v = _veto("suffix")
+    m = turn_metrics(v.vetoed, v.first_trigger, MASK, TURNS, num_turns=3)
+    # First-trigger turns 0 (A) and 1 (B): sum 1 over 2 sequences. Per turn: the counts above.
+    assert m["loss/first_trigger_turn"].tolist() == [1.0, 2.0]
+    assert [m[f"loss/veto_token_frac_turn{k}"].tolist() for k in range(3)] == [[0.0, 8.0], [3.0, 11.0], [1.0, 1.0]]
+    # Split into two micro-batches (A, B | C, D), the sums of the pairs are the same numbers.
+    halves = [turn_metrics(*(x[s] for x in (v.vetoed, v.first_trigger, MASK, TURNS)), num_turns=3)
+              for s in (slice(0, 2), slice(2, 4))]
+    for key in m:
+        assert torch.equal(halves[0][key] + halves[1][key], m[key])

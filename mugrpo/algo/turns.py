@@ -52,3 +52,22 @@ def first_trigger_turn_counts(first_turn: torch.Tensor, num_turns: int) -> torch
 def safe_ratio(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """sums / counts elementwise, NaN where counts is 0 (a turn no sequence reached has no fraction)."""
     return torch.where(counts > 0, sums / counts.clamp(min=1), torch.full_like(sums, float("nan")))
+
+
+def turn_metrics(vetoed: torch.Tensor, first_trigger: torch.Tensor, mask: torch.Tensor, turns: torch.Tensor,
+                 num_turns: int) -> dict[str, torch.Tensor]:
+    """By-turn veto diagnostics as ``[numerator, denominator]`` pairs (the loss metrics' contract:
+    summed over micro-batches and ranks, then divided once).
+
+    ``loss/first_trigger_turn``: mean turn of kappa_i over sequences with a trigger;
+    ``loss/veto_token_frac_turn{k}``: vetoed share of turn k's policy tokens (k = K - 1: that turn
+    and later ones). ``vetoed`` and ``first_trigger`` are :class:`mugrpo.algo.veto.VetoResult`'s.
+    """
+    first = first_trigger_turn(first_trigger, turns)
+    has = first >= 0
+    metrics = {"loss/first_trigger_turn": torch.stack([torch.where(has, first, 0).sum().float(),
+                                                       has.sum().float()])}
+    sums, counts = per_turn_counts(vetoed, mask, turns, num_turns)
+    for k in range(num_turns):
+        metrics[f"loss/veto_token_frac_turn{k}"] = torch.stack([sums[k], counts[k]])
+    return metrics
