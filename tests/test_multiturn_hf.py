@@ -177,11 +177,11 @@ def test_a_stage_of_calculator_trajectories_from_the_factory(tiny_model_dir):
     engine = Recording(_engine(tiny_model_dir, tok))
     engine.eos = engine.engine.eos
     items = [Item("1+1?", "2"), Item("2+3?", "5")]
-    prompts, trajs = roll_out_items(
+    kept, prompts, trajs = roll_out_items(
         engine, CalculatorEnvironment, items, SamplingConfig(max_new_tokens=8, seed=0),
         LoopLimits(max_turns=2, max_response_tokens=8), group_size=2, reset_seed=1, tokenizer=tok,
         task_cfg=TaskConfig(instruction="", few_shot=[], system_prompt=""))
-    assert len(prompts) == 2 and len(trajs) == 4
+    assert kept == [0, 1] and len(prompts) == 2 and len(trajs) == 4
     assert tok.decode(prompts[1]).endswith("u:2+3?\na:") and '"name": "calculate"' in tok.decode(prompts[0])
     assert all(t.end_reason in ("done", "length") and t.turns == [0] * len(t.response_ids) for t in trajs)
     assert [t.response_ids for t in trajs] == [c.token_ids for c in engine.turns[0]]

@@ -122,18 +122,27 @@ class Trajectory:
 
 def roll_out_items(engine, factory: EnvFactory, items: list, sampling: SamplingConfig, limits: LoopLimits, *,
                    group_size: int, reset_seed: int, tokenizer, task_cfg,
-                   progress: Optional[Callable[[int], None]] = None) -> tuple[list[list[int]], list[Trajectory]]:
-    """A stage's trajectories for ``items``: (one prompt per item, G trajectories per item, group-major).
+                   select: Optional[Callable[[list[list[int]]], list[int]]] = None,
+                   progress: Optional[Callable[[int], None]] = None) -> tuple[list[int], list[list[int]], list[Trajectory]]:
+    """A stage's trajectories for ``items``: (the groups kept, their prompts, G trajectories per
+    kept group, group-major).
 
-    Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`), rolled
-    out, and closed (also when the loop raises). Environment turns are rendered by
-    :func:`mugrpo.rollout.envs.render.env_turn_ids`; a turn ends at the engine's EOS ids.
+    Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`);
+    ``select(prompts)`` may keep only some groups (e.g. the prompt-length rule; the others' envs
+    are closed); the rest are rolled out and closed (also when the loop raises). Environment turns
+    are rendered by :func:`mugrpo.rollout.envs.render.env_turn_ids`; a turn ends at the engine's EOS.
     """
     from mugrpo.rollout.envs.render import env_turn_ids
     from mugrpo.rollout.envs.start import start_trajectories
 
-    prompts, envs = start_trajectories(factory, items, group_size, reset_seed, tokenizer, task_cfg)
+    G = group_size
+    prompts, envs = start_trajectories(factory, items, G, reset_seed, tokenizer, task_cfg)
     try:
+        kept = list(range(len(prompts))) if select is None else list(select(prompts))
+        dropped = sorted(set(range(len(prompts))) - set(kept))
+        _close_all([Trajectory([], envs[g * G + j], 1) for g in dropped for j in range(G)], limits)
+        envs = [envs[g * G + j] for g in kept for j in range(G)]
+        prompts = [prompts[g] for g in kept]
         trajs = run_trajectories(engine, prompts, envs, sampling, limits,
                                  render_env_turn=functools.partial(env_turn_ids, tokenizer),
                                  decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
@@ -141,7 +150,7 @@ def roll_out_items(engine, factory: EnvFactory, items: list, sampling: SamplingC
     except BaseException:
         _close_all([Trajectory([], env, 1) for env in envs], limits)
         raise
-    return prompts, trajs
+    return kept, prompts, trajs
 
 
 def run_trajectories(engine, prompts: list[list[int]], envs: list[Environment], sampling: SamplingConfig,
