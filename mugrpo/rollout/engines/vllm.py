@@ -26,6 +26,12 @@ its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV c
 (``rollout.vllm_kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
 
+Multi-turn (:mod:`mugrpo.rollout.multiturn`): each turn is one ``generate`` call with every active
+trajectory's ids so far as a prompt; vLLM's prefix cache (on by default in 0.32) reuses the KV of
+what earlier turns already computed. ``SamplingConfig.stop`` strings turn the detokenizer on for
+that call only (see ``_sampling_params``); a per-prompt ``max_new_tokens`` becomes each request's
+``max_tokens``.
+
 At most one in-process engine per process at a time: vLLM 0.32 keeps its parallel state in module
 globals, and shutting one in-process ``LLM`` down breaks any other that is still alive.
 
