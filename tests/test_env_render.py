@@ -30,7 +30,8 @@ TOOL_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-TOOL_OBS = [{"role": "tool", "name": "calculate", "content": "42"}, {"role": "tool", "name": "calculate", "content": "7"}]
+TOOL_OBS = [{"role": "tool", "name": "calculate", "content": "42"},
+            {"role": "tool", "name": "calculate", "content": "7"}]
 CONVERSATION = [{"role": "user", "content": "What is 6*7 and 3+4?"},
                 {"role": "assistant", "content": "Let me compute. <tool_call>..."}]
 

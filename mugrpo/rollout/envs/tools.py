@@ -243,7 +243,8 @@ class ToolEnvironment(Environment):
         if not calls:
             return StepResult([], 0.0, True, dict.fromkeys(COUNT_KEYS, 0))
         contents, counts = self.call_tools(calls)
-        observations = [{"role": "tool", "name": c.name or "unknown", "content": text} for c, text in zip(calls, contents)]
+        observations = [{"role": "tool", "name": c.name or "unknown", "content": text}
+                        for c, text in zip(calls, contents)]
         return StepResult(observations, 0.0, False, counts)
 
     def call_tools(self, calls: list[ToolCall]) -> tuple[list[str], dict]:
