@@ -179,7 +179,8 @@ class ToolPool:
             slot.done.set()
 
     def _abandon(self, slot: _Slot) -> None:
-        slot.abandoned = True
+        with slot.lock:
+            slot.abandoned = True
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
