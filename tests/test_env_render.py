@@ -30,7 +30,8 @@ TOOL_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-TOOL_OBS = [{"role": "tool", "name": "calculate", "content": "42"}, {"role": "tool", "name": "calculate", "content": "7"}]
+TOOL_OBS = [{"role": "tool", "name": "calculate", "content": "42"},
+            {"role": "tool", "name": "calculate", "content": "7"}]
 CONVERSATION = [{"role": "user", "content": "What is 6*7 and 3+4?"},
                 {"role": "assistant", "content": "Let me compute. <tool_call>..."}]
 
@@ -90,6 +91,29 @@ def test_tool_aware_template_renders_tool_messages_itself(qwen_like):
     assert through_policy_eos(qwen_like, CONVERSATION) + turn == whole
     assert qwen_like.decode(turn) == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n"
                                       "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+# ChatML whose LAST assistant message gets an empty think block (as Qwen3's template does): the
+# prefix render differs from the whole one before the EOS, so the id diff cannot be used.
+THINK_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' and loop.last %}"
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_rendering_the_last_assistant_differently_falls_back_to_text(smollm2):
+    tok = copy.deepcopy(smollm2)
+    tok.chat_template = THINK_TEMPLATE
+    feedback = [{"role": "user", "content": "Incorrect, try again."}]
+    whole = ids(tok, CONVERSATION + feedback, generation_prompt=True)
+    turn = render.env_turn_ids(tok, feedback)
+    # the env turn is the whole rendering's tail after the assistant's EOS (no second EOS)
+    assert whole[-len(turn):] == turn
+    assert tok.decode(whole[:-len(turn)]).endswith("Let me compute. <tool_call>...<|im_end|>")
+    assert tok.decode(turn) == "\n<|im_start|>user\nIncorrect, try again.<|im_end|>\n<|im_start|>assistant\n"
+    assert render.env_turn_ids(tok, feedback, ended_with_eos=False) == [tok.eos_token_id] + turn
 
 
 def test_a_turn_stopped_before_eos_is_closed_by_the_env_turn(smollm2):

@@ -8,8 +8,10 @@ turn, computed here from that turn's messages alone; the conversation is never r
    plus the environment's messages with the generation prompt; cut the first after its last EOS
    token; the ids after the cut are the turn. With an EOS-terminated template (ChatML: SmolLM2,
    Qwen) the ids equal what the template gives for the whole conversation, from the policy's EOS on.
-2. For a template whose turns do not end in EOS (mugrpo.models.tiny's ``u:...`` lines) or no
-   template at all: the text after a sentinel assistant message, tokenized on its own.
+2. Otherwise (a template whose turns do not end in EOS, as mugrpo.models.tiny's ``u:...`` lines,
+   or one that renders the last assistant message differently, as Qwen3's adds an empty think
+   block): the text after a sentinel assistant message, tokenized on its own, less a leading EOS
+   (the policy's). No template at all: ``role: content`` lines.
 
 A policy turn that ended at a stop string instead of EOS (e.g. ``</tool_call>``) has not closed
 its assistant message, so its environment turn starts with the EOS id (``ended_with_eos=False``).
@@ -147,10 +149,10 @@ def env_turn_ids(tokenizer, observations: list[dict], ended_with_eos: bool = Tru
     if not supports_tools(tokenizer):
         observations = tool_messages_as_user(observations)
     ids = _eos_diff(tokenizer, observations)
-    if ids is None:
-        return _sentinel_diff(tokenizer, observations)
-    eos = tokenizer.eos_token_id
-    return ids if ended_with_eos else [eos, *ids]
+    closing = [] if ended_with_eos else [tokenizer.eos_token_id]
+    if ids is not None:
+        return closing + ids
+    return _sentinel_diff(tokenizer, observations, closing)
 
 
 def _eos_diff(tokenizer, observations: list[dict]) -> Optional[list[int]]:
@@ -168,10 +170,14 @@ def _eos_diff(tokenizer, observations: list[dict]) -> Optional[list[int]]:
     return full_ids[cut:]
 
 
-def _sentinel_diff(tokenizer, observations: list[dict]) -> list[int]:
-    """The text after a sentinel assistant message, tokenized on its own (no EOS in the template:
-    the policy's sampled EOS, already in the sequence, ends its turn)."""
+def _sentinel_diff(tokenizer, observations: list[dict], closing: list[int]) -> list[int]:
+    """The text after a sentinel assistant message, tokenized on its own. When that text starts with
+    the EOS token (a template that closes turns with EOS but renders the last assistant message
+    differently, as Qwen3's adds an empty think block), the EOS is the policy's (``closing``)."""
     text = _render(tokenizer, [_DUMMY_USER, {"role": "assistant", "content": _SENTINEL}, *observations],
                    generation_prompt=True)
     tail = text[text.index(_SENTINEL) + len(_SENTINEL):]
+    eos_text = tokenizer.eos_token
+    if eos_text and tail.startswith(eos_text):
+        return closing + tokenizer(tail[len(eos_text):], add_special_tokens=False)["input_ids"]
     return tokenizer(tail, add_special_tokens=False)["input_ids"]

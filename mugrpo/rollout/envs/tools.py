@@ -179,7 +179,8 @@ class ToolPool:
             slot.done.set()
 
     def _abandon(self, slot: _Slot) -> None:
-        slot.abandoned = True
+        with slot.lock:
+            slot.abandoned = True
         self._release(slot)
 
     def _release(self, slot: _Slot) -> None:
@@ -243,7 +244,8 @@ class ToolEnvironment(Environment):
         if not calls:
             return StepResult([], 0.0, True, dict.fromkeys(COUNT_KEYS, 0))
         contents, counts = self.call_tools(calls)
-        observations = [{"role": "tool", "name": c.name or "unknown", "content": text} for c, text in zip(calls, contents)]
+        observations = [{"role": "tool", "name": c.name or "unknown", "content": text}
+                        for c, text in zip(calls, contents)]
         return StepResult(observations, 0.0, False, counts)
 
     def call_tools(self, calls: list[ToolCall]) -> tuple[list[str], dict]:
