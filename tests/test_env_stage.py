@@ -1,5 +1,5 @@
-"""A stage generated through an environment (mugrpo.training.env_stage): rewards = environment
-reward + the task's rewards on the final policy turn; the prompt-length rule; stage data with turns."""
+"""A stage generated through an environment (mugrpo.training.env_stage): what scoring needs (texts
+of the final policy turns, environment rewards, turns); the prompt-length rule."""
 import pytest
 import torch
 
@@ -38,15 +38,14 @@ def _task(**kw):
     return cfg, build_task(cfg, rows=rows)
 
 
-def test_rewards_add_the_environment_reward_to_the_task_reward_on_the_final_turn():
+def test_the_stage_carries_texts_env_rewards_turns_and_counts():
     tok = build_char_tokenizer()
     cfg, task = _task()
     stage = generate_env_stage(Echo(tok), Bonus, task, tok, cfg, [0, 1], SamplingConfig(n=2, max_new_tokens=8),
                                LoopLimits(max_turns=2, max_response_tokens=8), reset_seed=0)
-    # frac_ones("ok") = 0 (no '1' characters), + 0.25 from the environment, for each of 4 trajectories.
-    assert stage.rewards.tolist() == [0.25] * 4
+    assert stage.env_rewards.tolist() == [0.25] * 4
     assert stage.texts == ["ok"] * 4 and stage.turns == [[0, 0, 0]] * 4 and stage.finished.all()
-    assert stage.metrics["env/num_done"] == 4 and stage.indices == [0, 1]
+    assert stage.counts["env/num_done"] == 4 and stage.counts["env/reward_sum"] == 1.0 and stage.indices == [0, 1]
 
 
 def test_the_prompt_length_rule_applies_to_environment_prompts():

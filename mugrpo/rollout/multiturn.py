@@ -300,17 +300,32 @@ def _close_all(trajs: list[Trajectory], limits: LoopLimits) -> None:
                 t.metadata[key] = t.metadata.get(key, 0.0) + float(value)
 
 
-def loop_metrics(trajs: list[Trajectory]) -> dict[str, float]:
-    """Stage-level counts: how trajectories ended, turns, token split, env reward, env/<key> sums."""
-    n = max(len(trajs), 1)
-    metrics = {f"env/num_{reason}": float(sum(t.end_reason == reason for t in trajs)) for reason in END_REASONS}
+def loop_counts(trajs: list[Trajectory]) -> dict[str, float]:
+    """Stage-level SUMS (summable over ranks): how trajectories ended, turns, the token split, the
+    environment reward, and env/<key> for every number in step metadata and ``env.metrics()``."""
+    counts = {f"env/num_{reason}": float(sum(t.end_reason == reason for t in trajs)) for reason in END_REASONS}
     num_policy = sum(sum(1 for k in t.turns if k >= 0) for t in trajs)
-    metrics.update({
-        "env/turns_mean": sum(t.num_turns for t in trajs) / n,
-        "env/reward_mean": sum(t.env_reward for t in trajs) / n,
+    counts.update({
+        "env/num_trajectories": float(len(trajs)),
+        "env/num_turns": float(sum(t.num_turns for t in trajs)),
+        "env/reward_sum": float(sum(t.env_reward for t in trajs)),
         "env/num_policy_tokens": float(num_policy),
         "env/num_env_tokens": float(sum(len(t.turns) for t in trajs) - num_policy),
     })
     keys = sorted({k for t in trajs for k in t.metadata})
-    metrics.update({f"env/{k}": sum(t.metadata.get(k, 0.0) for t in trajs) for k in keys})
-    return metrics
+    counts.update({f"env/{k}": sum(t.metadata.get(k, 0.0) for t in trajs) for k in keys})
+    return counts
+
+
+def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
+    """The logged metrics from (rank-summed) :func:`loop_counts`: sums become means where a mean is meant."""
+    out = dict(counts)
+    n = max(out.pop("env/num_trajectories"), 1.0)
+    out["env/turns_mean"] = out.pop("env/num_turns") / n
+    out["env/reward_mean"] = out.pop("env/reward_sum") / n
+    return out
+
+
+def loop_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """:func:`finalize_counts` of one process's trajectories."""
+    return finalize_counts(loop_counts(trajs))

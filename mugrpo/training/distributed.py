@@ -134,6 +134,18 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def sum_named_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Sum named numbers over ranks; the ranks may hold different keys (a missing key counts 0),
+    e.g. environment metrics only some ranks' trajectories reported."""
+    if not _active():
+        return dict(values)
+    parts = [None] * tdist.get_world_size()
+    tdist.all_gather_object(parts, sorted(values))
+    keys = sorted(set().union(*parts))
+    flat = sum_over_ranks(torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64))
+    return dict(zip(keys, flat.tolist()))
+
+
 def sum_metrics(summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """All-reduce every [numerator, denominator] metric pair in one collective."""
     if not _active():

@@ -2,15 +2,16 @@
 
 The trainer's generation phase calls :func:`generate_env_stage` instead of one ``engine.generate``
 when ``task.env`` / ``task.tools`` give an environment factory. It starts G environments per drawn
-item, runs the multi-turn loop (:mod:`mugrpo.rollout.multiturn`), scores each trajectory and
-returns what the single-turn path returns: the stage data (with ``turns``), the texts scored, the
-scoring statistics and the loop's counts.
+item (the prompt-length rule applied to their prompts before anything is generated), runs the
+multi-turn loop (:mod:`mugrpo.rollout.multiturn`) and returns the trajectories with what the
+trainer's scoring needs: the text to score per trajectory (its final policy turn), the environment
+rewards to add, the per-token ``turns`` for the stage data, and the loop's counts.
 
 Reward of a trajectory = the sum of its environment step rewards + the task's rewards
 (``task.rewards`` / ``reward_fn`` / correctness) on the text of its final policy turn
-(docs/ENVIRONMENTS.md, Rewards).
+(docs/ENVIRONMENTS.md, Rewards); the trainer adds the two.
 
-This module knows nothing about the update, checkpoints or logging; advantages are the caller's.
+This module knows nothing about scoring, the update, checkpoints or logging.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mugrpo.rollout.engines.base import SamplingConfig
-from mugrpo.rollout.multiturn import LoopLimits, Trajectory, loop_metrics, roll_out_items
+from mugrpo.rollout.multiturn import LoopLimits, Trajectory, loop_counts, roll_out_items
 from mugrpo.rollout.tasks import limit_prompts
 
 
@@ -31,12 +32,16 @@ class EnvStage:
     prompts: list[list[int]]
     trajectories: list[Trajectory]
     """G per group, group-major."""
-    rewards: torch.Tensor
-    """[groups * G] float32: environment reward + the task's rewards on the final policy turn."""
-    score_stats: object
-    """The task scorer's :class:`mugrpo.rollout.tasks.ScoreStats`."""
-    metrics: dict[str, float]
-    """:func:`mugrpo.rollout.multiturn.loop_metrics` of the stage."""
+
+    @property
+    def counts(self) -> dict[str, float]:
+        """:func:`mugrpo.rollout.multiturn.loop_counts` (sum over ranks, then ``finalize_counts``)."""
+        return loop_counts(self.trajectories)
+
+    @property
+    def env_rewards(self) -> torch.Tensor:
+        """[groups * G] float32: each trajectory's summed environment step rewards."""
+        return torch.tensor([t.env_reward for t in self.trajectories], dtype=torch.float32)
 
     @property
     def responses(self) -> list[list[int]]:
@@ -57,12 +62,13 @@ class EnvStage:
 
     @property
     def texts(self) -> list[str]:
+        """What the task's rewards score: each trajectory's final policy turn."""
         return [t.final_text for t in self.trajectories]
 
 
 def generate_env_stage(engine, factory, task, tokenizer, task_cfg, indices: list[int], sampling: SamplingConfig,
                        limits: LoopLimits, reset_seed: int, progress=None) -> EnvStage:
-    """Roll out G = ``sampling.n`` trajectories for each of ``indices`` (task items) and score them.
+    """Roll out G = ``sampling.n`` trajectories for each of ``indices`` (task items).
 
     ``task.max_prompt_tokens`` / ``task.prompt_too_long`` apply to the environment's prompts as to
     single-turn ones; ``truncate`` is refused here (cutting a prompt could cut the tool
@@ -79,8 +85,4 @@ def generate_env_stage(engine, factory, task, tokenizer, task_cfg, indices: list
     kept, prompts, trajs = roll_out_items(engine, factory, [task.items[i] for i in indices], sampling, limits,
                                           group_size=G, reset_seed=reset_seed, tokenizer=tokenizer,
                                           task_cfg=task_cfg, select=select, progress=progress)
-    indices = [indices[g] for g in kept]
-    flat_items = [task.items[i] for i in indices for _ in range(G)]
-    rewards, stats = task.score_all([t.final_text for t in trajs], flat_items)
-    rewards = rewards.float() + torch.tensor([t.env_reward for t in trajs], dtype=torch.float32)
-    return EnvStage(indices, prompts, trajs, rewards, stats, loop_metrics(trajs))
+    return EnvStage([indices[g] for g in kept], prompts, trajs)
