@@ -144,9 +144,9 @@ def _validate_env(task: TaskConfig) -> None:
     elif env is not None and not isinstance(env, str) and not callable(env):
         raise ConfigError(f"task.env={env!r}: an environment name, a 'module:Class' path, or (from Python) an "
                           "Environment class or factory")
+    # task.env_args without task.env is refused when the environment is built (rollout/envs/build.py),
+    # not here: mugrpo.train(environment=...) sets task.env after a config with its env_args is read.
     _check(isinstance(task.env_args, dict), "task.env_args", "a mapping of argument -> value", task.env_args)
-    if task.env_args and env is None:
-        raise ConfigError(f"task.env_args={task.env_args} without task.env: set task.env")
     _check(isinstance(task.tools, list), "task.tools", "a list of 'module:function' paths", task.tools)
     for i, tool in enumerate(task.tools):
         _check(callable(tool) or isinstance(tool, str) and ":" in tool, f"task.tools[{i}]",
