@@ -5,38 +5,30 @@
   ``environment_factory`` environments.
 - :mod:`.render`: token ids of the prompt with tools and of each environment turn (once).
 - :mod:`.builtin`: calculator, multi-attempt feedback, the skyrl-gym adapter.
+- :mod:`.build`: the per-trajectory factory from the config; :mod:`.start`: a stage's trajectories.
 
-:data:`ENVIRONMENTS` names the built-ins (name -> ``"module:attr"``, imported on use);
-:func:`env_factory` makes the per-trajectory factory the rollout loop calls.
+The built-ins are named in :data:`mugrpo.rollout.ENVIRONMENTS` (``task.env``; re-exported here);
+:func:`env_factory` makes the per-trajectory factory of a name.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 
+from mugrpo.registry import RegistryError
+from mugrpo.rollout import ENVIRONMENTS
 from mugrpo.rollout.envs.base import EnvFactory, Environment, StepResult
 
 __all__ = ["EnvFactory", "Environment", "StepResult", "ENVIRONMENTS", "env_factory"]
 
-ENVIRONMENTS = {
-    "calculator": "mugrpo.rollout.envs.builtin:CalculatorEnvironment",
-    "multi_attempt": "mugrpo.rollout.envs.builtin:MultiAttemptEnvironment",
-    "skyrl_gym": "mugrpo.rollout.envs.builtin:SkyRLGymEnvironment",
-}
-
 
 def env_factory(name: str, **kwargs) -> EnvFactory:
-    """The factory of the environment ``name`` (a key of :data:`ENVIRONMENTS` or ``"module:attr"``),
-    each call making a fresh instance with ``kwargs``. Arguments are checked now, by making one."""
-    target = ENVIRONMENTS.get(name, name)
-    if ":" not in target:
-        raise ValueError(f"unknown environment {name!r}: use one of {sorted(ENVIRONMENTS)} or 'module:attr'")
-    module, attr = target.split(":", 1)
+    """The factory of the environment ``name`` (registered in :data:`ENVIRONMENTS`), each call making
+    a fresh instance with ``kwargs``. Arguments are checked now, by making one."""
     try:
-        cls = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"environment {name!r}: cannot import {target!r} ({exc})") from exc
+        cls = ENVIRONMENTS.get(name)
+    except RegistryError as exc:
+        raise ValueError(str(exc)) from exc
     factory = functools.partial(cls, **kwargs)
     try:
         factory().close()

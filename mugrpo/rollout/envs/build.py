@@ -26,6 +26,7 @@ from mugrpo.errors import ConfigError, UserError
 from mugrpo.rollout.envs import ENVIRONMENTS
 from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
+from mugrpo.rollout.rewards import PYTHON_PREFIX
 
 __all__ = ["build_env_factory", "resolve_tools", "task_score"]
 
@@ -39,7 +40,8 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
     tools = resolve_tools(getattr(task_cfg, "tools", None) or [])
     if spec is None:
         if args:
-            raise ConfigError(f"task.env_args={args} without task.env: set task.env (one of {sorted(ENVIRONMENTS)})")
+            raise ConfigError(f"task.env_args={args} without task.env: set task.env (one of "
+                              f"{list(ENVIRONMENTS.names())})")
         if not tools:
             return None
         return _checked(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s),
@@ -61,14 +63,19 @@ def _resolve_env(spec) -> Any:
                           "serves one trajectory and the rollout loop makes one per trajectory")
     if not isinstance(spec, str):
         return spec
-    target = ENVIRONMENTS.get(spec, spec)
-    if ":" not in target:
-        raise ConfigError(f"task.env={spec!r} is not a known environment; use one of {sorted(ENVIRONMENTS)} or a "
-                          "'module:attr' path")
+    if spec.startswith(PYTHON_PREFIX):
+        raise ConfigError(f"task.env={spec!r} was a Python object passed to mugrpo.train; a config file cannot hold "
+                          "it. Resume the run from Python with the same environment: mugrpo.train(run_dir=..., "
+                          "environment=..., resume=True)")
+    if spec in ENVIRONMENTS:
+        return ENVIRONMENTS.get(spec)
+    if ":" not in spec:
+        raise ConfigError(f"task.env={spec!r} is not a known environment; use one of {list(ENVIRONMENTS.names())} "
+                          "or a 'module:Class' path")
     from mugrpo.rollout.rewards import load_function
 
     try:
-        return load_function(target, "environment")
+        return load_function(spec, "environment")
     except UserError as exc:
         raise ConfigError(f"task.env: {exc}") from exc
 
@@ -118,6 +125,10 @@ def resolve_tools(specs: list) -> list[Callable]:
     for spec in specs:
         if callable(spec):
             tools.append(spec)
+        elif isinstance(spec, str) and spec.startswith(PYTHON_PREFIX):
+            raise ConfigError(f"task.tools: {spec!r} was a Python function passed to mugrpo.train; a config file "
+                              "cannot hold it. Resume the run from Python with the same tools: "
+                              "mugrpo.train(run_dir=..., tools=[...], resume=True)")
         elif isinstance(spec, str) and ":" in spec:
             try:
                 tools.append(load_function(spec, "tool"))
