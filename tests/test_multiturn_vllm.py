@@ -55,3 +55,29 @@ def test_multi_turn_traces_recompute_to_ratio_one(tiny, shared, temperature):
         assert [k for _, _, k in _segments(t.turns) if k >= 0] == list(range(t.num_turns))
     # vLLM's CPU kernels vs torch's: the single-turn vLLM parity tolerance (test_vllm_engine.py).
     _assert_ratio_one(policy, prompts, trajs, G, temperature, tol=1e-4)
+
+
+def test_training_with_an_environment_through_vllm(tiny, shared, tmp_path):
+    # The whole path on vLLM: multi-turn stages, stored with turns, trained. At the first update of
+    # every stage (after every sync) the fp32 engine's behaviour log-probs equal the trainer's on
+    # the policy tokens of multi-turn traces: mean |log ratio| within the single-turn bound (1e-4).
+    import json
+
+    from mugrpo.config import load_config
+    from mugrpo.training.data import StageData
+    from mugrpo.training.trainer import train
+
+    path, _, _ = tiny
+    shared.release()  # train() builds its own in-process engine (one per process: vLLM 0.32)
+    overrides = [f"model.name={path}", "rollout.engine=vllm", "task.reward_fn=vllm_rewards:fraction_of_ones",
+                 "task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=16", "optim.lr=3e-3",
+                 "train.autocast=none", "rollout.vllm.kv_cache_gb=0.25", "schedule.total_updates=4",
+                 "schedule.num_stages=2", "train.progress=false", "train.save_final_model=false",
+                 "task.env=multiturn_envs:TryAgain", "env.max_turns=3"]
+    train(load_config(overrides=overrides), tmp_path / "run")
+    stages = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    stages = [s for s in stages if s["kind"] == "stage"]
+    assert len(stages) == 2 and all(s["env/num_env_tokens"] > 0 for s in stages)
+    assert max(s["stage/engine_logprob_mismatch"] for s in stages) < 1e-4
+    data = StageData.load(tmp_path / "run" / "stages" / "stage_001" / "rollouts_rank0.safetensors")
+    assert any(max(t) >= 1 for t in data.turns)
