@@ -42,6 +42,7 @@ def main(argv=None) -> mugrpo.TrainResult:
     p.add_argument("--max-new-tokens", type=int, default=160, help="per trajectory: policy and tool tokens")
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="the tool instructions make prompts long")
     args = p.parse_args(argv)
     config = {
         "preset": "mu-grpo",
@@ -51,7 +52,8 @@ def main(argv=None) -> mugrpo.TrainResult:
         "schedule.prompts_per_update": 4,
         "rollout.max_new_tokens": args.max_new_tokens,
         "env.max_turns": args.max_turns,
-        "task": {"few_shot": [], "instruction": INSTRUCTION, "eval_size": 16},
+        "task": {"few_shot": [], "instruction": INSTRUCTION, "eval_size": 16,
+                 "max_prompt_tokens": args.max_prompt_tokens},
         "eval.num_items": 16,
     }
     result = mugrpo.train(config, train_dataset=arithmetic_rows(args.rows), tools=[calculate], run_dir=args.run_dir)
