@@ -10,7 +10,8 @@ ENDS = {"env/num_done": 0, "env/num_turn_limit": 0, "env/num_length": 0, "env/nu
 
 
 def _stage(stage, done, turn_limit, overflow, turns_mean, policy, env, tool_calls):
-    return {"kind": "stage", "stage": stage, "update": 2 * stage + 2, "update_in_stage": 2, "time_s": 10.0 * (stage + 1),
+    return {"kind": "stage", "stage": stage, "update": 2 * stage + 2, "update_in_stage": 2,
+            "time_s": 10.0 * (stage + 1),
             "reward/mean": 0.1, **ENDS, "env/num_done": done, "env/num_turn_limit": turn_limit,
             "env/num_overflow": overflow, "env/turns_mean": turns_mean, "env/reward_mean": 0.5,
             "env/num_policy_tokens": policy, "env/num_env_tokens": env, "env/tool_calls": tool_calls}
@@ -37,7 +38,8 @@ def _run(tmp_path):
 def test_environment_summary_by_hand(tmp_path):
     e = rd.environment_summary(_run(tmp_path))
     assert e["num_trajectories"] == 16  # 8 + 8
-    assert e["end_frac"]["done"] == 13 / 16 and e["end_frac"]["turn_limit"] == 1 / 16 and e["end_frac"]["overflow"] == 2 / 16
+    assert e["end_frac"]["done"] == 13 / 16 and e["end_frac"]["turn_limit"] == 1 / 16
+    assert e["end_frac"]["overflow"] == 2 / 16
     assert e["turns_mean"] == (16 + 12) / 16  # 2.0 x 8 + 1.5 x 8 turns over 16 trajectories
     assert e["env_token_frac"] == 100 / 200  # (20 + 80) env tokens of (60 + 20 + 40 + 80)
     assert e["counts"]["env/tool_calls"] == 12

@@ -339,7 +339,8 @@ def _environment_section(envs: dict) -> list[str]:
              _table(["run", "trajectories", "turns mean", "env token frac", *(f"{r} frac" for r in reasons)], rows)]
     tool_keys = sorted({k for e in envs.values() for k in e["counts"] if k.startswith("env/tool_")})
     if tool_keys:
-        rows = [[label, *(_num(e["counts"].get(k, math.nan), "{:.0f}") for k in tool_keys)] for label, e in envs.items()]
+        rows = [[label, *(_num(e["counts"].get(k, math.nan), "{:.0f}") for k in tool_keys)]
+                for label, e in envs.items()]
         parts += ["Tool calls (sums over stages):\n", _table(["run", *tool_keys], rows)]
     turn_keys = sorted({k for e in envs.values() for k in e["veto_by_turn"]})
     rows = [[label, *(_num(e["veto_by_turn"].get(k, math.nan), "{:.4g}") for k in turn_keys)]

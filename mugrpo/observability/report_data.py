@@ -276,7 +276,8 @@ def environment_summary(run: Run) -> Optional[dict]:
         values = [v for u in run.updates if not math.isnan(v := value(u, key))]
         by_turn[key] = sum(values) / len(values) if values else math.nan
     return {"num_trajectories": num, "counts": counts,
-            "end_frac": {k.removeprefix("env/num_"): counts.get(k, 0.0) / num if num else math.nan for k in ENV_END_KEYS},
+            "end_frac": {k.removeprefix("env/num_"): counts.get(k, 0.0) / num if num else math.nan
+                         for k in ENV_END_KEYS},
             "turns_mean": turns / num if num else math.nan,
             "env_token_frac": counts.get("env/num_env_tokens", 0.0) / tokens if tokens else math.nan,
             "veto_by_turn": by_turn}

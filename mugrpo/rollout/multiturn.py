@@ -123,7 +123,8 @@ class Trajectory:
 def roll_out_items(engine, factory: EnvFactory, items: list, sampling: SamplingConfig, limits: LoopLimits, *,
                    group_size: int, reset_seed: int, tokenizer, task_cfg,
                    select: Optional[Callable[[list[list[int]]], list[int]]] = None,
-                   progress: Optional[Callable[[int], None]] = None) -> tuple[list[int], list[list[int]], list[Trajectory]]:
+                   progress: Optional[Callable[[int], None]] = None
+                   ) -> tuple[list[int], list[list[int]], list[Trajectory]]:
     """A stage's trajectories for ``items``: (the groups kept, their prompts, G trajectories per
     kept group, group-major).
 
