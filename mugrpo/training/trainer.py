@@ -43,7 +43,9 @@ from mugrpo.models.loading import check_context, load_policy, load_tokenizer, re
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.engines import SamplingConfig, weights_loaded
+from mugrpo.rollout.multiturn import LoopLimits, finalize_counts
 from mugrpo.rollout.rewards import per_reward_counts, per_reward_metrics
+from mugrpo.rollout.envs.build import build_env_factory
 from mugrpo.rollout.tasks import Task, build_task, limit_prompts, prompt_ids
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -53,11 +55,16 @@ from mugrpo.training import tis
 from mugrpo.training.batching import micro_batches
 from mugrpo.training.checkpoint import RunState
 from mugrpo.training.data import SHARDS_FILE, StageData, write_stage_text
+from mugrpo.training.env_stage import EnvStage, generate_env_stage
 from mugrpo.training.faults import maybe_die, should_poison
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.training.hardware import Resolved, build_engine, detect, resolve
 from mugrpo.training.run_dir import RunDir
 from mugrpo.training.update import StepSettings, normaliser, ratio_inputs, with_fillers
+
+
+MAX_TURN_BUCKETS = 8
+"""At most this many ``loss/veto_token_frac_turn{k}`` keys per update (the last: that turn and later)."""
 
 
 class TrainingError(UserError, RuntimeError):
@@ -158,6 +165,9 @@ class Trainer:
     engine: Any = None
     task: Task | None = None
     tokenizer: Any = None
+    env_factory: Any = None
+    """Makes one environment per trajectory when the task has one (``task.env`` / ``task.tools``):
+    the stage is then generated turn by turn (:mod:`mugrpo.training.env_stage`)."""
     run_dir: RunDir | None = None
     state: RunState = field(default_factory=RunState)
     logger: Any = field(default_factory=NullLogger)
@@ -194,9 +204,11 @@ class Trainer:
             ref_model = dist.prepare_frozen(ref_model, cfg, world)
         optimizer, scheduler = build_optimizer(policy, cfg, plan)
         task = task or build_task(cfg.task)
+        env_factory = build_env_factory(cfg.task, cfg.env, task)
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
         return cls(cfg, plan, world, policy, optimizer, scheduler, device=device, resolved=resolved,
-                   ref_model=ref_model, engine=engine, task=task, tokenizer=tokenizer, run_dir=run_dir)
+                   ref_model=ref_model, engine=engine, task=task, tokenizer=tokenizer, run_dir=run_dir,
+                   env_factory=env_factory)
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) into the policy, optimizer, scheduler and state."""
@@ -319,6 +331,7 @@ class Trainer:
         indices, prompts, flat, t_sync = self._generate(stopper)
         t_gen = time.perf_counter()
         data, stats, score_stats = self._score(indices, prompts, flat)
+        env = finalize_counts(dist.sum_named_over_ranks(flat.counts)) if isinstance(flat, EnvStage) else {}
         t_score = time.perf_counter()
         if self.step.loss.behavior_logprobs == "trainer":
             data = tis.recompute_trainer_logprobs(self.policy, data, self.step, dist.train_device(self.world))
@@ -326,14 +339,15 @@ class Trainer:
             stats["perf/recompute_s"] = time.perf_counter() - t_score
         failures = self._failure_metrics(score_stats, len(prompts))
         if self.world.is_main:  # before the shards: a stage counts as generated once they are all written
-            self.run_dir.write_stage_metrics(stage_dir, {**failures,
+            self.run_dir.write_stage_metrics(stage_dir, {**failures, **env,
                                                          "stage/num_groups_trained": stats["stage/num_groups_trained"]})
         dist.save_stage_shard(data, stage_dir, self.world)
         if self.cfg.train.save_stage_text:
             write_stage_text(self.run_dir.stage_text(stage_dir, self.world), data, self.tokenizer, self.task.items)
-        num_new = sum(len(c.token_ids) for c in flat)
+        num_new = (sum(data.num_policy_tokens(s) for s in range(len(data.responses))) if isinstance(flat, EnvStage)
+                   else sum(len(c.token_ids) for c in flat))
         stats.update({"perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
-                      "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9), **failures})
+                      "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9), **failures, **env})
         return data, stats
 
     def _copy_replayed_stage(self, stage_dir: Path) -> bool:
@@ -351,16 +365,17 @@ class Trainer:
         dist.barrier()
         return True
 
-    def _generate(self, stopper) -> tuple[list[int], list, list, float]:
-        """Sync the weights and sample the stage's groups: (indices, prompts, flat completions, sync end)."""
+    def _generate(self, stopper) -> tuple[list[int], list, list | EnvStage, float]:
+        """Sync the weights and sample the stage's groups: (indices, prompts, flat completions or the
+        environment stage's trajectories, sync end)."""
         state, r = self.state, self.cfg.rollout
-        indices, prompts = self._stage_prompts()
+        indices, prompts = self._stage_prompts(tokenize=self.env_factory is None)
         with weights_loaded(self.engine, dist.full_state_items(self.policy)):
             t_sync = time.perf_counter()
             sampling = SamplingConfig(n=r.group_size, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                       max_new_tokens=r.max_new_tokens,
                                       seed=seeds.rollout_sampling(self.cfg.train.seed, state.stage, self.world.rank))
-            bar = self.progress.bar(len(prompts) * r.group_size, f"stage {state.stage} generate", unit="seq")
+            bar = self.progress.bar(len(indices) * r.group_size, f"stage {state.stage} generate", unit="seq")
 
             def on_batch(n: int) -> None:
                 self.progress.advance(bar, n)
@@ -368,21 +383,43 @@ class Trainer:
                 if stopper is not None and stopper.requested:  # the last checkpoint is this stage's start
                     raise ckpt.Interrupted(self.run_dir.path)
 
+            if self.env_factory is not None:
+                stage = self._generate_trajectories(indices, sampling, on_batch)
+                self.progress.close(bar)
+                return stage.indices, stage.prompts, stage, t_sync
             completions = self.engine.generate(prompts, sampling, progress=on_batch)
             self.progress.close(bar)
         return indices, prompts, [c for group in completions for c in group], t_sync
 
-    def _score(self, indices: list[int], prompts: list, flat: list) -> tuple[StageData, dict, Any]:
-        """Score the completions, take group advantages, drop zero-variance groups if asked."""
+    def _generate_trajectories(self, indices: list[int], sampling: SamplingConfig, on_batch) -> EnvStage:
+        """The stage's multi-turn trajectories: G environments per item, turn by turn."""
+        cfg = self.cfg
+        limits = LoopLimits(max_turns=cfg.env.max_turns, max_response_tokens=cfg.rollout.max_new_tokens,
+                            max_context=getattr(self.policy.config, "max_position_embeddings", None),
+                            step_timeout_s=cfg.env.step_timeout_s, max_workers=cfg.env.max_workers)
+        reset_seed = seeds.env_reset(cfg.train.seed, self.state.stage, self.world.rank)
+        return generate_env_stage(self.engine, self.env_factory, self.task, self.tokenizer, cfg.task, indices,
+                                  sampling, limits, reset_seed, progress=on_batch)
+
+    def _score(self, indices: list[int], prompts: list, flat: list | EnvStage) -> tuple[StageData, dict, Any]:
+        """Score the completions (a trajectory: its final policy turn, plus its environment reward),
+        take group advantages, drop zero-variance groups if asked."""
         cfg, G, task = self.cfg, self.cfg.rollout.group_size, self.task
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+        multi = isinstance(flat, EnvStage)
+        texts = flat.texts if multi else [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
         items = [task.items[i] for i in indices for _ in range(G)]
         rewards, score_stats = task.score_all(texts, items)
+        if multi:
+            rewards = rewards + flat.env_rewards
         rewards = rewards.view(len(prompts), G)
         advantages, zero_var = group_advantages(rewards, std_scale=cfg.loss.adv_std_scale, eps=cfg.loss.adv_eps)
-        data = StageData(prompts, [c.token_ids for c in flat], [c.behavior_logprobs for c in flat],
-                         rewards.flatten(), advantages.flatten(),
-                         torch.tensor([c.finish_reason == "stop" for c in flat]), indices, G)
+        if multi:
+            data = StageData(prompts, flat.responses, flat.behavior_logprobs, rewards.flatten(), advantages.flatten(),
+                             flat.finished, indices, G, turns=flat.turns)
+        else:
+            data = StageData(prompts, [c.token_ids for c in flat], [c.behavior_logprobs for c in flat],
+                             rewards.flatten(), advantages.flatten(),
+                             torch.tensor([c.finish_reason == "stop" for c in flat]), indices, G)
         stats = _stage_stats(data, self.world)
         if bool(zero_var.all()) and self.world.is_main:
             print(f"[mugrpo] warning: stage {self.state.stage}: every group has zero reward variance, so every "
@@ -414,11 +451,14 @@ class Trainer:
                 "reward/num_invalid": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
                 "stage/num_prompts_skipped": int(counts[5]), **per_reward_metrics(names, counts[6:], counts[4])}
 
-    def _stage_prompts(self) -> tuple[list[int], list]:
-        """This rank's share of the stage's prompt draw (whole groups), tokenised, the length rule applied."""
+    def _stage_prompts(self, tokenize: bool = True) -> tuple[list[int], list]:
+        """This rank's share of the stage's prompt draw (whole groups), tokenised, the length rule applied.
+        ``tokenize=False``: the draw alone (an environment renders its own prompts)."""
         cfg = self.cfg
         gen = torch.Generator().manual_seed(seeds.prompt_draw(cfg.train.seed, self.state.stage))
         indices = dist.generation_share(self.task.sample(self.plan.prompts_per_stage, gen), self.world)
+        if not tokenize:
+            return indices, []
         prompts = [prompt_ids(self.tokenizer, self.task.items[i].prompt, cfg.task) for i in indices]
         prompts, kept = limit_prompts(prompts, cfg.task, "training")
         return [indices[i] for i in kept], prompts
@@ -444,7 +484,7 @@ class Trainer:
                                      lambda: [b.to(device) for b in micro_batches(data, seqs[:1], **layout)])
         denominator = normaliser(self.policy, data, seqs, trained, batches, real, step)
         denominator = dist.sum_over_ranks(denominator.to(device)).clamp(min=1)
-        summed = _zero_metrics(step.loss, with_ref=self.ref_model is not None)
+        summed = _zero_metrics(step.loss, with_ref=self.ref_model is not None, num_turns=self.num_turn_buckets)
         summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
         poison = should_poison("loss")  # test hook: makes this update's loss NaN
         for i, mb in enumerate(batches):
@@ -478,7 +518,13 @@ class Trainer:
         old_logprobs, is_weights = ratio_inputs(mb, step.loss)
         return policy_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask, step.loss,
                            denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
+                           turns=mb.turns, num_turns=self.num_turn_buckets,
                            engine_logprobs=mb.behavior_logprobs, trainer_logprobs=mb.trainer_logprobs)
+
+    @property
+    def num_turn_buckets(self) -> int:
+        """By-turn veto diagnostics: turns 0 .. K - 2 each, then K - 1 and later; 0 without an environment."""
+        return 0 if self.env_factory is None else min(self.cfg.env.max_turns, MAX_TURN_BUCKETS)
 
     def _optimizer_step(self, summed: dict) -> dict:
         """Clip, step (or skip a non-finite update), and finalise the update's metrics."""
@@ -513,7 +559,9 @@ class Trainer:
 def _stage_stats(data: StageData, world) -> dict:
     lengths = torch.tensor([len(r) for r in data.responses], dtype=torch.float32)
     rewards = dist.gather_cat(data.rewards)
-    return {
+    multi = {} if data.turns is None else {"stage/policy_len_mean": dist.mean_over_ranks(
+        sum(data.num_policy_tokens(s) for s in range(len(data.responses))), lengths.numel())}
+    return {**multi,
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
         "stage/response_len_mean": dist.mean_over_ranks(lengths.sum(), lengths.numel()),
         "stage/truncated_frac": dist.mean_over_ranks((~data.finished).float().sum(), lengths.numel()),
@@ -523,7 +571,7 @@ def _stage_stats(data: StageData, world) -> dict:
     }
 
 
-def _zero_metrics(settings: LossSettings, with_ref: bool) -> dict[str, torch.Tensor]:
+def _zero_metrics(settings: LossSettings, with_ref: bool, num_turns: int = 0) -> dict[str, torch.Tensor]:
     """Every metric key of :func:`policy_loss`, as zero [numerator, denominator] pairs.
 
     Every rank starts from the same keys, whether or not it has sequences to train, so the
@@ -531,8 +579,9 @@ def _zero_metrics(settings: LossSettings, with_ref: bool) -> dict[str, torch.Ten
     """
     one = torch.zeros(1, 1)
     _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), settings, denominator=1.0,
-                             ref_logprobs=one if with_ref else None, entropy=one, engine_logprobs=one,
-                             trainer_logprobs=one)
+                             ref_logprobs=one if with_ref else None, entropy=one,
+                             turns=one.to(torch.int8) if num_turns else None, num_turns=num_turns,
+                             engine_logprobs=one, trainer_logprobs=one)
     return {key: torch.zeros_like(value) for key, value in metrics.items()}
 
 
