@@ -78,7 +78,8 @@ def make_config(config: ConfigLike = None, preset: Optional[str] = None) -> Conf
 def train(config: ConfigLike = None, *, preset: Optional[str] = None,
           reward_funcs: Union[RewardLike, list[RewardLike], None] = None, reward_weights: Optional[list[float]] = None,
           train_dataset: Any = None, eval_dataset: Any = None, run_dir: Union[str, Path, None] = None,
-          tools: Optional[list] = None, environment: Any = None, resume: bool = False) -> TrainResult:
+          tools: Optional[list] = None, environment: Any = None, resume: bool = False,
+          replay: Union[str, Path, None] = None) -> TrainResult:
     """Train (or resume) a run; returns where it is and its final model.
 
     - ``config``: see :func:`make_config`; the same keys as ``mugrpo train``.
@@ -97,6 +98,9 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
       ``environment_factory``; sets ``task.env`` (its arguments: ``task.env_args``).
     - ``resume=True``: continue the run in ``run_dir`` from its last checkpoint, with the same
       reward functions, tools, environment and data when they were given from Python.
+    - ``replay``: the run directory of an earlier run whose saved stages this run trains on instead of
+      generating (``mugrpo train --replay``; docs/ALGORITHM.md section 5d). A resumed replay keeps
+      replaying the source it recorded.
     """
     from mugrpo.rollout.tasks import build_task
     from mugrpo.training.trainer import train as run_training
@@ -122,7 +126,7 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
     validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     task = build_task(cfg.task, rows, eval_rows) if rows is not None else None
-    final = run_training(cfg, run_dir, resume=resume, task=task)
+    final = run_training(cfg, run_dir, resume=resume, task=task, replay=replay)
     return TrainResult(run_dir, final if cfg.train.save_final_model else None)
 
 

@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--run-dir", help="output folder (default runs/<preset>-<time>)")
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    train.add_argument("--replay", metavar="SOURCE_RUN_DIR",
+                       help="train on the stages SOURCE_RUN_DIR saved instead of generating (docs/ALGORITHM.md 5d)")
     plan = sub.add_parser("plan", help="print the stage plan a config implies, without training")
     _add_config_args(plan)
     config = sub.add_parser("config", help="print the resolved config (YAML) or the config reference")
@@ -111,7 +113,7 @@ def _train_verb(args) -> int:
         cfg = _resolve(args)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
     try:
-        final = train(cfg, run_dir, resume=bool(args.resume))
+        final = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
     except Interrupted as exc:
         print(f"[mugrpo] {exc}", file=sys.stderr)
         return 130

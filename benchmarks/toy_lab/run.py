@@ -139,15 +139,18 @@ def base_overrides(size: LabSize, model_dir: Path, spec, preset: str, seed: int,
 
 UPDATE_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_frac", "loss/veto_seq_frac",
                "loss/trigger_frac", "loss/clip_frac_low", "loss/clip_frac_high", "loss/kl_behavior",
-               "loss/entropy", "optim/grad_norm", "loss/m2po_tau", "loss/first_trigger_pos", "update_in_stage")
+               "loss/entropy", "optim/grad_norm", "loss/m2po_tau", "loss/first_trigger_pos", "update_in_stage",
+               "loss/correction_masked_frac", "loss/opsm_masked_seq_frac", "loss/icepop_masked_frac",
+               "loss/cispo_clipped_frac", "loss/mis_masked_frac", "loss/mis_masked_seq_frac", "loss/ratio_mean")
 STAGE_KEYS = ("perf/generate_s", "perf/optimize_s", "perf/sync_s", "perf/generate_tok_s", "stage/response_len_mean",
               "stage/num_sequences", "stage/truncated_frac", "stage/num_updates", "stage/end_reason")
 
 
 def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSize, model_dir: Path,
-            spec, work: Path, setting=warmstart, keep: Path | None = None) -> dict:
+            spec, work: Path, setting=warmstart, keep: Path | None = None, replay: Path | None = None) -> dict:
     """One training run with evaluations; ``keep``: move the run folder there (with its stage
-    rollouts as text) instead of deleting it."""
+    rollouts as text) instead of deleting it; ``replay``: train on that run's stages instead of
+    generating (``mugrpo train --replay``)."""
     from mugrpo.training import trainer
     from mugrpo.config import load_config
     from mugrpo.observability.loggers import read_metrics
@@ -166,7 +169,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
                                 max_new_tokens=size.max_new_tokens)
     t0, cpu0 = time.perf_counter(), _cpu_s()
     with patched_trainer(evaluator):
-        trainer.train(cfg, run_dir)
+        trainer.train(cfg, run_dir, **({"replay": replay} if replay is not None else {}))
     wall_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
     records = read_metrics(run_dir / "metrics.jsonl")
     if keep is not None:
@@ -179,6 +182,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
     stages = [r for r in records if r["kind"] == "stage"]
     return {
         "name": name, "preset": preset, "seed": seed, "overrides": overrides,
+        **({"replay": str(replay)} if replay is not None else {}),
         "wall_s": wall_s, "cpu_s": cpu_s, "eval_s": evaluator.eval_s, "train_s": wall_s - evaluator.eval_s,
         "eval": [{**p, "time_s": time_of.get(p["update"], 0.0)} for p in evaluator.points],
         "updates": [{"update": r["update"], **{k: r.get(k) for k in UPDATE_KEYS if k in r}} for r in updates],

@@ -26,7 +26,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mugrpo.algo.registries import AGGREGATORS, RATIO_MODES, SURROGATES
+from mugrpo.algo.corrections import CorrectionInputs, apply_correction
+from mugrpo.algo.registries import AGGREGATORS, CORRECTIONS, RATIO_MODES, SURROGATES
 from mugrpo.algo.turns import turn_metrics
 from mugrpo.algo.veto import veto_mask
 
@@ -110,6 +111,15 @@ class LossSettings:
     aggregation: str
     kl_beta: float
     entropy_coef: float
+    correction: str
+    """The off-policy correction (:data:`mugrpo.algo.registries.CORRECTIONS`), and its parameters:"""
+    opsm_delta: float
+    icepop_low: float
+    icepop_high: float
+    cispo_eps_low: float
+    cispo_eps_high: float
+    mis_low: float
+    mis_high: float
     seq_len_norm: int
     """L of ``seq-mean-token-sum-norm`` (the run's max new tokens)."""
     behavior_logprobs: str = "engine"
@@ -170,7 +180,8 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
                 mask: torch.Tensor, settings: LossSettings, *, denominator: torch.Tensor | float,
                 ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                 is_weights: torch.Tensor | None = None, turns: torch.Tensor | None = None,
-                num_turns: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                num_turns: int = 0, engine_logprobs: torch.Tensor | None = None,
+                trainer_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Mu-GRPO loss of one micro-batch, and its metrics as [numerator, denominator] pairs.
 
     ``logprobs`` [B, T] carry the gradient; ``behavior_logprobs`` [B, T] are the stored behaviour
@@ -186,6 +197,12 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
 
     ``turns`` [B, T] (multi-turn data, optional): adds the by-turn veto diagnostics over
     ``num_turns`` buckets (:func:`mugrpo.algo.turns.turn_metrics`); the loss does not change.
+
+    ``settings.correction`` (:mod:`mugrpo.algo.corrections`, docs/ALGORITHM.md section 5c) acts after
+    the veto: its mask narrows the kept tokens (the normaliser is unchanged), its weight multiplies
+    the token loss (IcePop's replaces ``is_weights``), CISPO replaces the surrogate. It reads
+    ``engine_logprobs`` [B, T] (what the engine sampled with; default ``behavior_logprobs``) and
+    ``trainer_logprobs`` [B, T] (the trainer's recompute, ``behavior_logprobs=trainer`` only).
     """
     s = settings
     mask = mask.bool()
@@ -196,9 +213,18 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     fkeep = keep.to(logprobs.dtype)
     surrogate_log_ratio = RATIO_MODES.get(s.ratio_level)(log_ratio, keep)
     token_loss, clip_low, clip_high, extra = SURROGATES.get(s.clip_mode)(surrogate_log_ratio, advantages, mask, s)
-    if is_weights is not None:
-        token_loss = token_loss * is_weights.detach().to(token_loss.dtype)
-    per_seq = (fkeep if s.veto_normalizer == "post_veto" else fmask).sum(1)
+    engine = behavior_logprobs if engine_logprobs is None else engine_logprobs
+    correction = CORRECTIONS.get(s.correction)(CorrectionInputs(
+        logprobs, behavior_logprobs.detach(), engine.detach(), advantages, mask,
+        None if trainer_logprobs is None else trainer_logprobs.detach()), s)
+    vetoed_keep = keep
+    token_loss, keep = apply_correction(token_loss, logprobs, advantages, keep, correction, is_weights)
+    fkeep = keep.to(logprobs.dtype)
+    if correction is not None:
+        extra = {**extra, **correction.metrics,
+                 "loss/correction_masked_frac": _pair((vetoed_keep & ~keep).sum(), fmask.sum())}
+    # the per-sequence counts follow the normaliser: post-veto at most, never post-correction
+    per_seq = (vetoed_keep.to(logprobs.dtype) if s.veto_normalizer == "post_veto" else fmask).sum(1)
     agg = dict(mode=s.aggregation, denominator=denominator, seq_len_norm=s.seq_len_norm)
     pg_loss = aggregate(token_loss, fkeep, per_seq, **agg)
     total = pg_loss

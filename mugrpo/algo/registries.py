@@ -12,6 +12,9 @@ Each registry maps a config value to the function or object that implements it
 - :data:`AGGREGATORS` (``loss.aggregation``): an :class:`mugrpo.algo.aggregation.Aggregation`, which
   reduces token losses AND counts the step's normaliser (tokens or sequences), so the trainer never
   branches on the aggregation's name.
+- :data:`CORRECTIONS` (``loss.correction``): ``fn(inputs, settings) -> Correction | None``, an
+  off-policy correction (:mod:`mugrpo.algo.corrections`: a keep mask, a detached weight, metrics),
+  composed with the surrogate after the veto; ``none`` returns None.
 
 A user's own option: ``SURROGATES.register("mine", my_fn)`` (or ``"pkg.module:fn"``) before building
 the config. The tuples below are the built-in names as of import (kept under the names the config
@@ -36,8 +39,21 @@ AGGREGATORS = Registry("loss.aggregation", {
     "seq-mean-token-sum-norm": "mugrpo.algo.aggregation:SEQ_MEAN_TOKEN_SUM_NORM",
 })
 
+CORRECTIONS = Registry("loss.correction", {
+    "none": "mugrpo.algo.corrections:no_correction",
+    "opsm": "mugrpo.algo.corrections:opsm_entry",
+    "icepop": "mugrpo.algo.corrections:icepop_entry",
+    "cispo": "mugrpo.algo.corrections:cispo_entry",
+    "mis_token": "mugrpo.algo.corrections:mis_token_entry",
+    "mis_sequence": "mugrpo.algo.corrections:mis_sequence_entry",
+})
+NEEDS_TRAINER_LOGPROBS = {"icepop"}
+"""Corrections that read the trainer's recomputed behaviour log-probs (``loss.behavior_logprobs=trainer``),
+refused at start without them."""
+
 CLIP_MODES = SURROGATES.names()
 RATIO_LEVELS = RATIO_MODES.names()
 AGGREGATIONS = AGGREGATORS.names()
+CORRECTION_NAMES = CORRECTIONS.names()
 VETO_SCOPES = ("none", "trigger", "suffix", "suffix_nontrigger", "sequence")
 """The veto's scopes (:func:`mugrpo.algo.veto.veto_mask`): a closed set, each a line of that function."""

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 from mugrpo.errors import ConfigError
-from mugrpo.algo.registries import AGGREGATIONS, AGGREGATORS, CLIP_MODES, RATIO_LEVELS, RATIO_MODES, SURROGATES, VETO_SCOPES
+from mugrpo.algo.registries import (AGGREGATIONS, AGGREGATORS, CLIP_MODES, CORRECTIONS, NEEDS_TRAINER_LOGPROBS,
+                                    RATIO_LEVELS, RATIO_MODES, SURROGATES, VETO_SCOPES)
 from mugrpo.rollout import ENVIRONMENTS, TASK_KINDS
 from mugrpo.rollout.engines import ENGINES
 
@@ -387,6 +388,28 @@ class LossConfig:
     one no-grad forward over the stage's trained sequences. See docs/ALGORITHM.md section 5b."""
     tis_cap: float = 2.0
     """C of ``behavior_logprobs=trainer``: the engine-vs-trainer weight is capped at C (> 0)."""
+    correction: str = "none"
+    """An off-policy correction on top of the surrogate and the veto (docs/ALGORITHM.md section 5c): a
+    name of the registry ``CORRECTIONS`` (:mod:`mugrpo.algo.registries`); built in: ``none``, ``opsm``
+    (drop an A<0 response whose mean k1 KL to the engine's policy exceeds ``opsm_delta``), ``icepop``
+    (weight pi_old/pi_engine inside [``icepop_low``, ``icepop_high``], drop the token outside; needs
+    ``behavior_logprobs=trainer``), ``cispo`` (-sg(clip(rho)) A log pi in place of the surrogate),
+    ``mis_token`` / ``mis_sequence`` (drop a token / response whose pi_theta/pi_engine, per token /
+    geometric mean, leaves [``mis_low``, ``mis_high``]). Masked tokens stay in the normaliser."""
+    opsm_delta: float = 0.1
+    """OPSM: an A<0 response is dropped when its mean k1 log(pi_engine / pi_theta) exceeds this (> 0)."""
+    icepop_low: float = 0.5
+    """IcePop: lower bound alpha of the kept band of pi_old / pi_engine (INTELLECT-3: 0.5)."""
+    icepop_high: float = 5.0
+    """IcePop: upper bound beta of the kept band (INTELLECT-3: 5)."""
+    cispo_eps_low: float = 1.0
+    """CISPO: the weight's lower bound is max(1 - cispo_eps_low, 0) (1.0 -> 0: none, the paper's)."""
+    cispo_eps_high: float = 4.0
+    """CISPO: the weight's upper bound is 1 + cispo_eps_high (4.0 -> 5, SkyRL / ScaleRL)."""
+    mis_low: float = 0.5
+    """Masked IS: lower bound of the kept band of pi_theta / pi_engine (token or geometric mean)."""
+    mis_high: float = 2.0
+    """Masked IS: upper bound of the kept band."""
 
     def describe(self) -> str:
         """The clip range and ratio level in words (for the printed plan)."""
@@ -408,6 +431,17 @@ class LossConfig:
         _check(self.adv_eps > 0, "loss.adv_eps", "> 0", self.adv_eps)
         _check(0 < self.tis_cap < math.inf, "loss.tis_cap", "a finite number > 0 (the TIS weight's cap C, e.g. 2)",
                self.tis_cap)
+        _check_registered(self.correction, CORRECTIONS, "loss.correction")
+        if self.correction in NEEDS_TRAINER_LOGPROBS and self.behavior_logprobs != "trainer":
+            raise ConfigError(f"loss.correction={self.correction} reads the trainer's recomputed behaviour log-probs: "
+                              "set loss.behavior_logprobs=trainer (docs/ALGORITHM.md section 5c)")
+        _check(self.opsm_delta > 0, "loss.opsm_delta", "> 0", self.opsm_delta)
+        _check(0 < self.icepop_low <= 1 <= self.icepop_high < math.inf, "loss.icepop_low/icepop_high",
+               "0 < icepop_low <= 1 <= icepop_high, finite", (self.icepop_low, self.icepop_high))
+        _check(self.cispo_eps_low >= 0, "loss.cispo_eps_low", ">= 0", self.cispo_eps_low)
+        _check(0 <= self.cispo_eps_high < math.inf, "loss.cispo_eps_high", "a finite number >= 0", self.cispo_eps_high)
+        _check(0 < self.mis_low <= 1 <= self.mis_high < math.inf, "loss.mis_low/mis_high",
+               "0 < mis_low <= 1 <= mis_high, finite", (self.mis_low, self.mis_high))
 
 
 @dataclass

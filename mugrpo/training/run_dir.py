@@ -8,6 +8,7 @@
       stages/stage_KKK/           the stage's data: rollouts_rank{R}.safetensors, shards.json (the
                                   "generated" marker, written last), stage_metrics.json, rollouts*.jsonl
       final_model/                the exported HF model (and tokenizer)
+      replay.json                 a replaying run's source run directory (mugrpo.training.replay)
 
 The names on disk are those of every earlier version, so old run directories keep working. Here:
 the names and small readers/writers of the stage's generation metrics; what goes in the files lives
@@ -28,6 +29,7 @@ CHECKPOINTS_DIR = "checkpoints"
 STAGES_DIR = "stages"
 FINAL_MODEL_DIR = "final_model"
 STAGE_METRICS_FILE = "stage_metrics.json"
+REPLAY_FILE = "replay.json"
 
 
 def stage_name(stage: int) -> str:
@@ -64,6 +66,10 @@ class RunDir:
     @property
     def final_model(self) -> Path:
         return self.path / FINAL_MODEL_DIR
+
+    @property
+    def replay(self) -> Path:
+        return self.path / REPLAY_FILE
 
     def stage(self, stage: int) -> Path:
         """The folder of stage ``stage``'s data."""

@@ -50,10 +50,11 @@ from mugrpo.rollout.tasks import Task, build_task, limit_prompts, prompt_ids
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
 from mugrpo.training import seeds
+from mugrpo.training import replay as replay_mod
 from mugrpo.training import tis
 from mugrpo.training.batching import micro_batches
 from mugrpo.training.checkpoint import RunState
-from mugrpo.training.data import StageData, write_stage_text
+from mugrpo.training.data import SHARDS_FILE, StageData, write_stage_text
 from mugrpo.training.env_stage import EnvStage, generate_env_stage
 from mugrpo.training.faults import maybe_die, should_poison
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
@@ -74,13 +75,20 @@ class TrainingError(UserError, RuntimeError):
 # The loop.
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = None) -> Path:
+def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = None,
+          replay: str | Path | None = None) -> Path:
     """Run (or resume) a training run in ``run_dir``; returns the final model folder.
 
-    ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s."""
+    ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s.
+    ``replay``: a run directory whose stages this run trains on instead of generating its own
+    (:mod:`mugrpo.training.replay`; a resumed run replays the source it recorded)."""
     rd = RunDir(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
     plan = make_plan(cfg, world.size)
+    if resume and replay is not None:
+        raise replay_mod.ReplayError("--replay starts a new run; a resumed run replays the source it recorded "
+                                     f"({rd.replay}): drop --replay")
+    source = replay_mod.check_source(replay, cfg, world.size) if replay is not None else None
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
     lock = trainer = stopper = None
     failed_new_run, existed = False, rd.path.is_dir()
@@ -91,12 +99,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         ckpt.check_run_dir_free(rd.path)
     try:
         trainer = Trainer.build(cfg, plan, world, resolved, task, rd)
+        trainer.replay = source
         if resume:
             trainer.resume()
         else:
             # Only now that model, task and engine have loaded: a failed start leaves no run directory.
             ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
             lock = ckpt.lock_run_dir(rd.path, world)
+            if source is not None and world.is_main:
+                replay_mod.record_source(rd.path, source)
         trainer.start()
         stopper = ckpt.GracefulStop()
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
@@ -164,6 +175,8 @@ class Trainer:
     evaluator: Any = None
     t_start: float = field(default_factory=time.perf_counter)
     step: StepSettings = field(init=False)
+    replay: Any = None
+    """The :class:`mugrpo.training.replay.ReplaySource` whose stages this run trains on (None: generate)."""
     ckpt_s: float = 0.0
     """Checkpoint seconds inside the current stage's wall-clock interval (from the previous stage
     record to this one, so the previous stage-end checkpoint counts here)."""
@@ -204,6 +217,9 @@ class Trainer:
                 print(f"[mugrpo] removed {path}, left by an interrupted write")
         self.state = ckpt.load_latest(self.run_dir.path, self.policy, self.optimizer, self.scheduler,
                                       self.world) or RunState()
+        source = replay_mod.recorded_source(self.run_dir.path)
+        if source is not None:  # checked again only when a stage still has to be copied from it
+            self.replay = source
         if self.world.is_main:
             ckpt.truncate_metrics(self.run_dir.metrics, self.state)
 
@@ -304,11 +320,13 @@ class Trainer:
         sync -> generate -> score -> [recompute the behaviour log-probs with the trainer
         (``loss.behavior_logprobs=trainer``)] -> persist (metrics first, then the shards)."""
         stage_dir = self.run_dir.stage(self.state.stage)
+        copied = self.replay is not None and self._copy_replayed_stage(stage_dir)
         data = dist.load_stage_shards(stage_dir, self.world)
         if data is not None:
             saved = self.run_dir.read_stage_metrics(stage_dir)  # {} for a stage dir from before they were kept
-            return data, {"stage/resumed": 1.0, **saved, **_stage_stats(data, self.world),
-                          **tis.stage_metrics(data, self.step, self.world, stage_dir)}
+            replayed = {"stage/replayed": 1.0} if self.replay is not None else {}
+            return data, {"stage/resumed": 0.0 if copied else 1.0, **replayed, **saved,
+                          **_stage_stats(data, self.world), **tis.stage_metrics(data, self.step, self.world, stage_dir)}
         t0 = time.perf_counter()
         indices, prompts, flat, t_sync = self._generate(stopper)
         t_gen = time.perf_counter()
@@ -331,6 +349,21 @@ class Trainer:
         stats.update({"perf/sync_s": t_sync - t0, "perf/generate_s": t_gen - t_sync, "perf/score_s": t_score - t_gen,
                       "perf/generate_tok_s": num_new / max(t_gen - t_sync, 1e-9), **failures, **env})
         return data, stats
+
+    def _copy_replayed_stage(self, stage_dir: Path) -> bool:
+        """Copy this stage from the replay source into the run's own stage folder, unless it is there
+        already (a resumed replay; returns False): then the stage loads like any persisted stage."""
+        if dist.broadcast_object((stage_dir / SHARDS_FILE).is_file() if self.world.is_main else None):
+            return False
+        if isinstance(self.replay, Path):  # recorded by a resumed run: check the source now
+            self.replay = replay_mod.check_source(self.replay, self.cfg, self.world.size)
+        if self.world.is_main:
+            replay_mod.copy_stage(self.replay, self.state.stage, stage_dir,
+                                  need_trainer_logprobs=self.step.loss.behavior_logprobs == "trainer",
+                                  prompt_ids_of=lambda i: prompt_ids(self.tokenizer, self.task.items[i].prompt,
+                                                                     self.cfg.task))
+        dist.barrier()
+        return True
 
     def _generate(self, stopper) -> tuple[list[int], list, list | EnvStage, float]:
         """Sync the weights and sample the stage's groups: (indices, prompts, flat completions or the
@@ -485,7 +518,8 @@ class Trainer:
         old_logprobs, is_weights = ratio_inputs(mb, step.loss)
         return policy_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask, step.loss,
                            denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
-                           turns=mb.turns, num_turns=self.num_turn_buckets)
+                           turns=mb.turns, num_turns=self.num_turn_buckets,
+                           engine_logprobs=mb.behavior_logprobs, trainer_logprobs=mb.trainer_logprobs)
 
     @property
     def num_turn_buckets(self) -> int:
@@ -546,7 +580,8 @@ def _zero_metrics(settings: LossSettings, with_ref: bool, num_turns: int = 0) ->
     one = torch.zeros(1, 1)
     _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), settings, denominator=1.0,
                              ref_logprobs=one if with_ref else None, entropy=one,
-                             turns=one.to(torch.int8) if num_turns else None, num_turns=num_turns)
+                             turns=one.to(torch.int8) if num_turns else None, num_turns=num_turns,
+                             engine_logprobs=one, trainer_logprobs=one)
     return {key: torch.zeros_like(value) for key, value in metrics.items()}
 
 
