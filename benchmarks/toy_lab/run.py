@@ -134,6 +134,9 @@ def base_overrides(size: LabSize, model_dir: Path, spec, preset: str, seed: int,
         f"train.seed={seed}", f"train.threads={size.threads}",
         "train.progress=false", "train.save_stage_text=false", "train.save_final_model=false",
         f"task.eval_size={size.eval_prompts}", "checkpoint.keep_last=1",
+        # The lab's model has 512 positions; the start-up context check needs prompt + answer to fit
+        # (the lab's prompts are a few dozen characters, far below this limit).
+        "task.max_prompt_tokens=256",
     ]
 
 
