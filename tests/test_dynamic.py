@@ -253,3 +253,75 @@ def test_plan_rows():
 def test_rounds_dataclass_flattens_in_draw_order():
     rounds = Rounds(sizes=[2, 3], informative=[[True, False], [False, False, True]])
     assert rounds.flat == [True, False, False, False, True]
+
+
+# ---------------------------------------------------------------------------------------------
+# The generation phase in rounds, with a scripted "engine": item i's group of G = 2 is informative
+# iff i is in INFORMATIVE.
+
+INFORMATIVE = {1, 4, 5, 9, 13, 14}
+
+
+def _fake_generate(calls):
+    def generate(round_index, indices):
+        calls.append((round_index, list(indices)))
+        rewards = [[1.0, 0.0] if i in INFORMATIVE else [0.0, 0.0] for i in indices]
+        part = _round(0, rewards)
+        part.item_indices = list(indices)
+        part.prompts = [[i] for i in indices]
+        return part, {"num_tokens": 2 * len(indices), "generate_s": 1.0, "first_error": None}
+    return generate
+
+
+def _phase(stage_dir, calls, after_round=lambda: None):
+    from mugrpo.training.rounds import generate_in_rounds
+
+    # 4 needed, oversample 1.5: round 0 = items 0-5 (informative 1, 4, 5: p = 3/6), 1 missing: round 1
+    # draws ceil(1 / (3/6)) = 2 items, 6-7, none informative (p = 3/8); round 2 draws ceil(1 x 8 / 3) = 3,
+    # items 8-10: 9 is the 4th. Kept: items 1, 4, 5, 9.
+    return generate_in_rounds(stage_dir, 0, 1, 4, 1.5, 5, lambda offset, size: list(range(offset, offset + size)),
+                              _fake_generate(calls), after_round=after_round)
+
+
+def test_generate_in_rounds_keeps_exactly_the_informative_groups(tmp_path):
+    calls = []
+    data, record, rounds = _phase(tmp_path, calls)
+    assert calls == [(0, [0, 1, 2, 3, 4, 5]), (1, [6, 7]), (2, [8, 9, 10])]
+    assert data.item_indices == [1, 4, 5, 9] and rounds.stop == "enough"
+    assert data.rewards.tolist() == [1.0, 0.0] * 4
+    assert record == {"num_tokens": 22, "generate_s": 3.0, "first_error": None}  # 11 groups x 2; 3 rounds
+
+
+def test_generate_in_rounds_resumes_between_rounds(tmp_path):
+    class Killed(Exception):
+        pass
+
+    def die_after_second():
+        if len(calls) == 2:
+            raise Killed
+
+    calls = []
+    with pytest.raises(Killed):
+        _phase(tmp_path / "stage", calls, die_after_second)
+    resumed_calls = []
+    data, record, rounds = _phase(tmp_path / "stage", resumed_calls)
+    assert resumed_calls == [(2, [8, 9, 10])]     # rounds 0 and 1 read back, not generated again
+    reference, _, _ = _phase(tmp_path / "ref", [])
+    assert data.item_indices == reference.item_indices == [1, 4, 5, 9]
+    assert data.responses == reference.responses and data.rewards.equal(reference.rewards)
+    assert record["generate_s"] == 3.0              # the read-back rounds' clocks still count
+
+
+def test_round_metrics():
+    from mugrpo.training.rounds import round_metrics
+
+    # 11 groups generated of which 4 informative and 4 kept (G = 2): 7 groups = 14 sequences not kept;
+    # of 3.0 s generating 22 sequences, 14 / 22 x 3.0 = 1.909 s are theirs.
+    rounds = Rounds(sizes=[6, 2, 3], informative=[[False, True, False, False, True, True], [False, False],
+                                                  [False, True, False]])
+    data = _round(0, [[1.0, 0.0]] * 4)
+    m = round_metrics(rounds, data, 4, 1, 3.0)
+    assert m["stage/informative_frac"] == 4 / 11 and m["stage/num_rounds"] == 3
+    assert m["stage/num_informative_groups"] == 4 and m["stage/num_groups_needed"] == 4
+    assert m["stage/num_extra_sequences"] == 14
+    assert m["perf/extra_generate_s"] == pytest.approx(14 / 22 * 3.0)

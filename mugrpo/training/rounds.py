@@ -1,7 +1,9 @@
 """A stage generated in rounds (dynamic sampling): each round persisted, then the kept groups assembled.
 
 The rules (sizes, stop, which prompts, which groups are kept) are :mod:`mugrpo.training.dynamic`;
-this module holds a round's files and turns the rounds into the stage's :class:`StageData`.
+this module holds a round's files, turns the rounds into the stage's :class:`StageData`, and runs
+a stage's generation phase in rounds (:func:`generate_in_rounds`) with the engine work passed in
+by the trainer (this module knows no engine, task or config).
 
 Each rank writes each finished round to ``STAGE_DIR/rounds/``: ``round_RR_rank{R}.safetensors``
 (the round's groups with rewards and advantages; advantages are per group, so computing them a
@@ -17,10 +19,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
+from mugrpo.training import dynamic
 from mugrpo.training.data import StageData, StageDataError, atomic_write_text
 
 ROUNDS_DIR = "rounds"
@@ -73,3 +76,73 @@ def assemble(rounds: Sequence[StageData], kept: Sequence[int]) -> StageData:
                      [part.behavior_logprobs[s] for part, s in seqs], rows("rewards"), rows("advantages"),
                      rows("finished"), [part.item_indices[g] for part, g in picked], G,
                      trainer_logprobs=[part.trainer_logprobs[s] for part, s in seqs] if with_trainer else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The generation phase of a stage with dynamic sampling.
+
+
+def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_rank: int, oversample: float,
+                       max_rounds: int, draw: Callable[[int, int], list[int]],
+                       generate: Callable[[int, list[int]], tuple[StageData, dict]],
+                       sum_over_ranks: Callable[[list[int]], list[int]] = lambda xs: xs,
+                       max_over_ranks: Callable[[int], int] = lambda x: x,
+                       after_round: Callable[[], None] = lambda: None) -> tuple[StageData, dict, dynamic.Rounds]:
+    """Generate a stage's groups in rounds (:func:`mugrpo.training.dynamic.run_rounds`), keep the
+    selected ones (:func:`mugrpo.training.dynamic.select_groups`); return this rank's stage data,
+    the rounds' records summed (:func:`sum_records`) and the rounds.
+
+    ``draw(offset, size)``: this rank's share of the stage draw's items ``offset .. offset + size``;
+    ``generate(round, indices)``: generate, score and compute advantages for those items (the
+    prompt-length rule may drop some), returning the round's data and its record (plain numbers);
+    ``after_round()`` runs once a new round is persisted (the kill-and-resume tests die there).
+    A round already on disk (a run killed between rounds) is read back, not generated.
+    """
+    parts, records = [], []
+
+    def one_round(round_index: int, offset: int, size: int) -> list[bool]:
+        loaded = load_round(stage_dir, round_index, rank)
+        if loaded is None:
+            part, record = generate(round_index, draw(offset, size))
+            save_round(stage_dir, round_index, rank, part, record)
+            after_round()
+        else:
+            part, record = loaded
+        parts.append(part)
+        records.append(record)
+        return dynamic.informative_groups(part.rewards.view(-1, part.group_size)).tolist()
+
+    rounds = dynamic.run_rounds(needed_per_rank, oversample, max_rounds, world_size, one_round,
+                                sum_over_ranks, max_over_ranks)
+    data = assemble(parts, dynamic.select_groups(rounds.flat, needed_per_rank))
+    return data, sum_records(records), rounds
+
+
+def sum_records(records: Sequence[dict]) -> dict:
+    """The rounds' records as one: numbers summed, anything else (e.g. a first traceback) the first
+    round's that has it."""
+    out: dict = {}
+    for record in records:
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = out.get(key, 0) + value
+            elif out.get(key) is None:
+                out[key] = value
+    return out
+
+
+def round_metrics(rounds: dynamic.Rounds, data: StageData, needed_per_rank: int, world_size: int,
+                  generate_s: float, sum_over_ranks: Callable[[list[int]], list[int]] = lambda xs: xs) -> dict:
+    """The stage's dynamic-sampling metrics (summed over ranks):
+
+    ``stage/informative_frac`` informative groups / groups generated; ``stage/num_rounds``;
+    ``stage/num_informative_groups`` (0: the stage found nothing to learn from);
+    ``stage/num_groups_needed``; ``stage/num_extra_sequences`` sequences generated and not kept;
+    ``perf/extra_generate_s`` their share of ``generate_s`` (pro rata by sequences).
+    """
+    flat, G = rounds.flat, data.group_size
+    generated, informative, kept = sum_over_ranks([len(flat), sum(flat), data.num_groups])
+    extra = (generated - kept) * G
+    return {"stage/informative_frac": informative / max(generated, 1), "stage/num_rounds": len(rounds.sizes),
+            "stage/num_informative_groups": informative, "stage/num_groups_needed": needed_per_rank * world_size,
+            "stage/num_extra_sequences": extra, "perf/extra_generate_s": generate_s * extra / max(generated * G, 1)}
