@@ -9,7 +9,7 @@ from mugrpo.training import seeds
 from mugrpo.training.data import StageData, StageDataError
 from mugrpo.training.dynamic import (Rounds, draw_slice, first_round_size, groups_needed, informative_groups,
                                      next_round_size, plan_rows, round_decision, run_rounds, select_groups)
-from mugrpo.training.rounds import assemble, load_round, remove_rounds, round_paths, save_round
+from mugrpo.training.rounds import assemble, load_round, remove_rounds, round_paths, save_round, sum_records
 
 # ---------------------------------------------------------------------------------------------
 # Informative groups.
@@ -290,6 +290,8 @@ def test_generate_in_rounds_keeps_exactly_the_informative_groups(tmp_path):
     assert data.item_indices == [1, 4, 5, 9] and rounds.stop == "enough"
     assert data.rewards.tolist() == [1.0, 0.0] * 4
     assert record == {"num_tokens": 22, "generate_s": 3.0, "first_error": None}  # 11 groups x 2; 3 rounds
+    assert sum_records([{"c": [1, 2], "e": None}, {"c": [3, 4], "e": "tb"}, {"c": [0, 1], "e": "later"}]) == {
+        "c": [4, 7], "e": "tb"}
 
 
 def test_generate_in_rounds_resumes_between_rounds(tmp_path):

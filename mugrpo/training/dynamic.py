@@ -9,10 +9,11 @@ The rules, all pure (ints, lists and reward tensors in; no engine, config object
 collectives; the round loop that calls the engine is :func:`run_rounds`, which takes the engine
 work and the cross-rank sums as callables):
 
-- **Informative**: a group whose rewards are not all equal (:func:`informative_groups`). With G = 1
-  no group is informative (one reward has no variance and its advantage is 0 in
-  :func:`mugrpo.algo.advantages.group_advantages`); verl keeps every group when n = 1 because its
-  other estimators can use them, ours cannot, so G = 1 with dynamic sampling is refused at start.
+- **Informative**: a group whose rewards are not all equal (:func:`informative_groups`), i.e. one
+  with a nonzero advantage. With G = 1 no group is informative (one reward has no variance, and
+  :func:`mugrpo.algo.advantages.group_advantages` gives it A = 0); verl keeps every group when
+  n = 1, for estimators that can use them, ours cannot. The config refuses G = 1 anyway
+  (``rollout.group_size`` >= 2).
 - **Needed** (:func:`groups_needed`): the distinct groups the stage's updates draw,
   min(prompts_per_stage, prompts_per_update x planned updates): by default these are equal; a
   ``prompts_per_stage`` set below it is the user's choice to reuse groups (several passes), and is

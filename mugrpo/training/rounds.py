@@ -119,13 +119,15 @@ def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_r
 
 
 def sum_records(records: Sequence[dict]) -> dict:
-    """The rounds' records as one: numbers summed, anything else (e.g. a first traceback) the first
-    round's that has it."""
+    """The rounds' records as one: numbers summed, lists of numbers summed element by element,
+    anything else (e.g. a first traceback) the first round's that has it."""
     out: dict = {}
     for record in records:
         for key, value in record.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 out[key] = out.get(key, 0) + value
+            elif isinstance(value, list):
+                out[key] = [a + b for a, b in zip(out[key], value)] if key in out else list(value)
             elif out.get(key) is None:
                 out[key] = value
     return out
