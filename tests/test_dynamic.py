@@ -289,7 +289,8 @@ def test_generate_in_rounds_keeps_exactly_the_informative_groups(tmp_path):
     assert calls == [(0, [0, 1, 2, 3, 4, 5]), (1, [6, 7]), (2, [8, 9, 10])]
     assert data.item_indices == [1, 4, 5, 9] and rounds.stop == "enough"
     assert data.rewards.tolist() == [1.0, 0.0] * 4
-    assert record == {"num_tokens": 22, "generate_s": 3.0, "first_error": None}  # 11 groups x 2; 3 rounds
+    assert record["num_tokens"] == 22 and record["generate_s"] == 3.0  # 11 groups x 2 sequences; 3 rounds
+    assert record["first_error"] is None
     assert sum_records([{"c": [1, 2], "e": None}, {"c": [3, 4], "e": "tb"}, {"c": [0, 1], "e": "later"}]) == {
         "c": [4, 7], "e": "tb"}
 
@@ -317,13 +318,24 @@ def test_generate_in_rounds_resumes_between_rounds(tmp_path):
 def test_round_metrics():
     from mugrpo.training.rounds import round_metrics
 
-    # 11 groups generated of which 4 informative and 4 kept (G = 2): 7 groups = 14 sequences not kept;
-    # of 3.0 s generating 22 sequences, 14 / 22 x 3.0 = 1.909 s are theirs.
+    # 11 groups generated (G = 2) of which 4 informative and 4 kept: 7 groups = 14 sequences not kept;
+    # of 3.0 s generating 22 sequences, 14 / 22 x 3.0 = 1.909 s are theirs. Rewards over the 22
+    # generated sequences: 4 ones (sum 4, squares 4): mean 4/22, std sqrt(4/22 - (4/22)^2) = 0.3857;
+    # the kept 8 sequences hold the 4 ones: 0.5.
     rounds = Rounds(sizes=[6, 2, 3], informative=[[False, True, False, False, True, True], [False, False],
                                                   [False, True, False]])
     data = _round(0, [[1.0, 0.0]] * 4)
-    m = round_metrics(rounds, data, 4, 1, 3.0)
+    record = {"generate_s": 3.0, "reward_sum": 4.0, "reward_sq_sum": 4.0, "num_sequences": 22}
+    m = round_metrics(rounds, data, record, 4, 1)
     assert m["stage/informative_frac"] == 4 / 11 and m["stage/num_rounds"] == 3
     assert m["stage/num_informative_groups"] == 4 and m["stage/num_groups_needed"] == 4
     assert m["stage/num_extra_sequences"] == 14
     assert m["perf/extra_generate_s"] == pytest.approx(14 / 22 * 3.0)
+    assert m["reward/mean"] == pytest.approx(4 / 22) and m["reward/std"] == pytest.approx(0.38569, abs=1e-5)
+    assert m["stage/kept_reward_mean"] == 0.5
+
+
+def test_generate_in_rounds_records_the_generated_rewards(tmp_path):
+    # Rounds of the scripted engine: items 0-10, the 4 informative ones rewarded [1, 0]: 4 ones in 22.
+    _, record, _ = _phase(tmp_path, [])
+    assert (record["reward_sum"], record["reward_sq_sum"], record["num_sequences"]) == (4.0, 4.0, 22)

@@ -17,6 +17,7 @@ live on in the shards, and a completed stage never reads its rounds.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Callable, Sequence
@@ -90,7 +91,8 @@ def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_r
                        after_round: Callable[[], None] = lambda: None) -> tuple[StageData, dict, dynamic.Rounds]:
     """Generate a stage's groups in rounds (:func:`mugrpo.training.dynamic.run_rounds`), keep the
     selected ones (:func:`mugrpo.training.dynamic.select_groups`); return this rank's stage data,
-    the rounds' records summed (:func:`sum_records`) and the rounds.
+    the rounds' records summed (:func:`sum_records`, with the rewards' sum, sum of squares and
+    count over every generated sequence added for :func:`round_metrics`) and the rounds.
 
     ``draw(offset, size)``: this rank's share of the stage draw's items ``offset .. offset + size``;
     ``generate(round, indices)``: generate, score and compute advantages for those items (the
@@ -109,7 +111,9 @@ def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_r
         else:
             part, record = loaded
         parts.append(part)
-        records.append(record)
+        rewards = part.rewards.double()
+        records.append({**record, "reward_sum": float(rewards.sum()), "reward_sq_sum": float((rewards ** 2).sum()),
+                        "num_sequences": rewards.numel()})
         return dynamic.informative_groups(part.rewards.view(-1, part.group_size)).tolist()
 
     rounds = dynamic.run_rounds(needed_per_rank, oversample, max_rounds, world_size, one_round,
@@ -133,18 +137,27 @@ def sum_records(records: Sequence[dict]) -> dict:
     return out
 
 
-def round_metrics(rounds: dynamic.Rounds, data: StageData, needed_per_rank: int, world_size: int,
-                  generate_s: float, sum_over_ranks: Callable[[list[int]], list[int]] = lambda xs: xs) -> dict:
-    """The stage's dynamic-sampling metrics (summed over ranks):
+def round_metrics(rounds: dynamic.Rounds, data: StageData, record: dict, needed_per_rank: int, world_size: int,
+                  sum_over_ranks: Callable[[list[float]], list[float]] = lambda xs: xs) -> dict:
+    """The stage's dynamic-sampling metrics, summed over ranks (``record``: :func:`generate_in_rounds`'s):
 
     ``stage/informative_frac`` informative groups / groups generated; ``stage/num_rounds``;
     ``stage/num_informative_groups`` (0: the stage found nothing to learn from);
     ``stage/num_groups_needed``; ``stage/num_extra_sequences`` sequences generated and not kept;
-    ``perf/extra_generate_s`` their share of ``generate_s`` (pro rata by sequences).
+    ``perf/extra_generate_s`` their share of the generation seconds (pro rata by sequences);
+    ``reward/mean`` and ``reward/std`` over EVERY generated sequence (the behaviour policy's reward,
+    as without dynamic sampling; the kept groups' mean is biased towards 1/2 by the selection, and is
+    ``stage/kept_reward_mean``).
     """
     flat, G = rounds.flat, data.group_size
-    generated, informative, kept = sum_over_ranks([len(flat), sum(flat), data.num_groups])
-    extra = (generated - kept) * G
+    generated, informative, kept, r_sum, r_sq, n, kept_sum = sum_over_ranks(
+        [len(flat), sum(flat), data.num_groups, record["reward_sum"], record["reward_sq_sum"],
+         record["num_sequences"], float(data.rewards.double().sum())])
+    extra = int(generated - kept) * G
+    mean = r_sum / max(n, 1)
     return {"stage/informative_frac": informative / max(generated, 1), "stage/num_rounds": len(rounds.sizes),
-            "stage/num_informative_groups": informative, "stage/num_groups_needed": needed_per_rank * world_size,
-            "stage/num_extra_sequences": extra, "perf/extra_generate_s": generate_s * extra / max(generated * G, 1)}
+            "stage/num_informative_groups": int(informative), "stage/num_groups_needed": needed_per_rank * world_size,
+            "stage/num_extra_sequences": extra,
+            "perf/extra_generate_s": record["generate_s"] * extra / max(generated * G, 1),
+            "reward/mean": mean, "reward/std": math.sqrt(max(r_sq / max(n, 1) - mean * mean, 0.0)),
+            "stage/kept_reward_mean": kept_sum / max(kept * G, 1)}
