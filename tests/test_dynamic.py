@@ -339,3 +339,13 @@ def test_generate_in_rounds_records_the_generated_rewards(tmp_path):
     # Rounds of the scripted engine: items 0-10, the 4 informative ones rewarded [1, 0]: 4 ones in 22.
     _, record, _ = _phase(tmp_path, [])
     assert (record["reward_sum"], record["reward_sq_sum"], record["num_sequences"]) == (4.0, 4.0, 22)
+
+
+def test_stage_summary_line_shows_the_rounds(capsys):
+    from mugrpo.observability.progress import Progress
+
+    Progress(enabled=True).stage_summary(0, {"reward/mean": 0.1, "stage/informative_frac": 0.25,
+                                             "stage/num_rounds": 3})
+    assert "informative 0.25 of the groups generated in 3 round(s)" in capsys.readouterr().err
+    Progress(enabled=True).stage_summary(0, {"reward/mean": 0.1})
+    assert "informative" not in capsys.readouterr().err
