@@ -56,7 +56,7 @@ def sample_pass1(model, tokenizer, prompts: list[list[int]], task, items, *, sam
 class UpdateEvaluator:
     """Evaluates a mugrpo policy before update 1 (``0 in at``) and after each update count in ``at``.
 
-    It is applied by wrapping ``mugrpo.training.trainer.optimizer_update``, which ``train`` looks up by name
+    It is applied by wrapping ``mugrpo.training.trainer.Trainer.update``, which ``train`` looks up on the class
     at every update (:func:`patched_trainer`). ``points`` hold the results; ``eval_s`` the time spent,
     which callers take off the run's clock. mugrpo has no evaluation hook of its own (yet).
     """
@@ -80,15 +80,16 @@ class UpdateEvaluator:
                             "eval_s_cum": self.eval_s, "example": ev["example"]})
 
     def wrap(self, original):
-        def optimizer_update(policy, optimizer, scheduler, data, state, *args, **kwargs):
+        def update(trainer, data):
+            policy, state = trainer.policy, trainer.state
             if state.update == 0 and 0 in self.at and not self.points:
                 self(policy, 0)
-            out = original(policy, optimizer, scheduler, data, state, *args, **kwargs)
+            out = original(trainer, data)
             if state.update + 1 in self.at:  # the trainer counts the update after this returns
                 self(policy, state.update + 1)
             return out
 
-        return optimizer_update
+        return update
 
     def clock(self, records: list[dict]) -> dict[int, float]:
         """update -> the run's ``time_s`` at that update minus the evaluation time spent up to it."""
@@ -106,8 +107,8 @@ def patched_trainer(evaluator: UpdateEvaluator, timers: dict | None = None):
     from mugrpo.training import checkpoint
     from mugrpo.training import trainer
 
-    original_update, original_save = trainer.optimizer_update, checkpoint.save
-    trainer.optimizer_update = evaluator.wrap(original_update)
+    original_update, original_save = trainer.Trainer.update, checkpoint.save
+    trainer.Trainer.update = evaluator.wrap(original_update)
     if timers is not None:
         timers.setdefault("checkpoint_durations_s", [])
 
@@ -122,4 +123,4 @@ def patched_trainer(evaluator: UpdateEvaluator, timers: dict | None = None):
     try:
         yield
     finally:
-        trainer.optimizer_update, checkpoint.save = original_update, original_save
+        trainer.Trainer.update, checkpoint.save = original_update, original_save

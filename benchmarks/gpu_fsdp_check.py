@@ -7,7 +7,7 @@ the CPU development machine, to check the script's own logic. Numbers from it me
 What it does, per variant (bf16 mixed precision; + activation checkpointing; + CPU offload):
 build a ~0.5B Qwen2-style model from its config (random init, no download), shard it with
 ``mugrpo.training.distributed.apply_fsdp`` exactly as the trainer does, then run the trainer's own
-``optimizer_update`` for a few updates on a synthetic stage dataset (random tokens, responses of
+``Trainer.update`` for a few updates on a synthetic stage dataset (random tokens, responses of
 random length, behaviour log-probs near the random-init model's, advantages +-1). It also times the
 engine-sync gather (``full_state_items``, one full parameter at a time).
 
@@ -43,7 +43,7 @@ from mugrpo.training import distributed as dist  # noqa: E402
 from mugrpo.config import load_config  # noqa: E402
 from mugrpo.training.data import StageData  # noqa: E402
 from mugrpo.config.plan import make_plan  # noqa: E402
-from mugrpo.training.trainer import RunState, build_optimizer, optimizer_update  # noqa: E402
+from mugrpo.training.trainer import RunState, Trainer, build_optimizer  # noqa: E402
 
 # Qwen2.5-0.5B's shape (494M parameters, tied embeddings); "tiny" is for the CPU smoke run.
 PRESETS = {
@@ -149,7 +149,7 @@ def run_variant(name: str, overrides: dict, args, world: dist.World) -> dict:
         if args.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        metrics = optimizer_update(model, optimizer, scheduler, data, state, cfg, plan, world, device)
+        metrics = Trainer(cfg, plan, world, model, optimizer, scheduler, device=device, state=state).update(data)
         if args.device == "cuda":
             torch.cuda.synchronize()
         state.update_in_stage += 1

@@ -9,7 +9,7 @@ within this one run: the machine may be shared, so absolute seconds drift betwee
 
 Each variant: load the model, apply ``lora.*`` (or not), build the trainer's AdamW
 (:func:`mugrpo.training.trainer.build_optimizer`), then run ``--updates`` real optimizer updates
-(:func:`mugrpo.training.trainer.optimizer_update`) on one synthetic stage of ``--prompts`` prompts x G = 8
+(:meth:`mugrpo.training.trainer.Trainer.update`) on one synthetic stage of ``--prompts`` prompts x G = 8
 responses (prompts of 96 tokens, about the default task's few-shot prompt; responses of 16-48
 tokens; every advantage non-zero, so every sequence is trained). The first update allocates AdamW's state and is
 reported apart; ``s_per_update`` is the mean of the others. Also timed: one engine sync's worth of
@@ -65,7 +65,7 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     from mugrpo.training.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan
-    from mugrpo.training.trainer import RunState, build_optimizer, optimizer_update
+    from mugrpo.training.trainer import RunState, Trainer, build_optimizer
 
     cfg = load_config("mu-grpo", overrides=["schedule.total_updates=8", "schedule.num_stages=1",
                                             f"schedule.prompts_per_update={prompts}", *overrides])
@@ -80,8 +80,8 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     seconds = []
     for u in range(updates):
         t0 = time.perf_counter()
-        optimizer_update(policy, optimizer, scheduler, data, RunState(stage=0, update_in_stage=u % 8), cfg, plan,
-                         World(), torch.device("cpu"), resolved=resolved)
+        Trainer(cfg, plan, World(), policy, optimizer, scheduler, resolved=resolved,
+                state=RunState(stage=0, update_in_stage=u % 8)).update(data)
         seconds.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     synced = sum(t.numel() for _, t in dist.full_state_items(policy))

@@ -63,6 +63,7 @@ def offline_mismatch(run_dir: Path) -> dict:
     """The engine run's stage 0: recompute its behaviour log-probs with the initial model, as the
     ``trainer`` mode would have at that stage's start, and take the same metrics."""
     from mugrpo.training import tis
+    from mugrpo.training.trainer import step_settings
     from mugrpo.training.checkpoint import resume_config
     from mugrpo.training.data import StageData, stage_dir
     from mugrpo.training.distributed import World
@@ -74,12 +75,11 @@ def offline_mismatch(run_dir: Path) -> dict:
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
     data = StageData.load(stage_dir(run_dir, 0) / "rollouts_rank0.safetensors")
     t = time.perf_counter()
-    data = tis.recompute_trainer_logprobs(policy, data, cfg, World(), torch.device("cpu"),
-                                          resolved.autocast == "bf16")
+    data = tis.recompute_trainer_logprobs(policy, data, step_settings(cfg, resolved), torch.device("cpu"))
     seconds = time.perf_counter() - t
     trainer_cfg = cfg
     trainer_cfg.loss.behavior_logprobs = "trainer"
-    return {**tis.stage_metrics(data, trainer_cfg, World(), stage_dir(run_dir, 0)), "perf/recompute_s": seconds,
+    return {**tis.stage_metrics(data, step_settings(trainer_cfg, resolved), World(), stage_dir(run_dir, 0)), "perf/recompute_s": seconds,
             "trainer_precision": resolved.autocast}
 
 
@@ -123,6 +123,7 @@ def stored_mismatch(run_dir: Path) -> dict:
     """The ``trainer`` run's mismatch metrics per stage, from the trainer log-probs stored in its shards
     (the same numbers as its stage lines; available as soon as a stage is generated)."""
     from mugrpo.training import tis
+    from mugrpo.training.trainer import step_settings
     from mugrpo.training.checkpoint import resume_config
     from mugrpo.training.data import SHARDS_FILE, StageData, shard_path
     from mugrpo.training.distributed import World
@@ -132,7 +133,7 @@ def stored_mismatch(run_dir: Path) -> dict:
     for folder in sorted((run_dir / "stages").glob("stage_*")):
         if (folder / SHARDS_FILE).is_file():
             data = StageData.load(shard_path(folder, 0))
-            out[int(folder.name.split("_")[1])] = tis.stage_metrics(data, cfg, World(), folder)
+            out[int(folder.name.split("_")[1])] = tis.stage_metrics(data, step_settings(cfg), World(), folder)
     return out
 
 

@@ -94,19 +94,19 @@ def bench_hf(cfg, path, tokenizer, prompts, sampling) -> dict:
 def bench_subprocess(cfg, path, tokenizer, policy) -> dict:
     from mugrpo.rollout.engines.vllm import VLLMEngine
 
-    cfg.rollout.vllm_in_process = False
+    cfg.rollout.vllm.in_process = False
     engine, startup = timed(lambda: VLLMEngine(path, tokenizer, cfg.rollout, seed=0))
     syncs = [timed(lambda: engine.load_weights(policy.named_parameters()))[1] for _ in range(3)]
     engine.close()
-    cfg.rollout.vllm_in_process = True
+    cfg.rollout.vllm.in_process = True
     return {"startup_s": startup, "sync_s": statistics.median(syncs)}
 
 
 def raw_llm(vllm, cfg, path):
     """vLLM as a user would build it: vLLM's defaults plus the same model, dtype and KV cache size."""
     r = cfg.rollout
-    return vllm.LLM(model=path, dtype=r.dtype, seed=0, enforce_eager=r.vllm_enforce_eager,
-                    max_model_len=r.vllm_max_model_len, kv_cache_memory_bytes=int(r.vllm_kv_cache_gb * 2**30))
+    return vllm.LLM(model=path, dtype=r.dtype, seed=0, enforce_eager=r.vllm.enforce_eager,
+                    max_model_len=r.vllm.max_model_len, kv_cache_memory_bytes=int(r.vllm.kv_cache_gb * 2**30))
 
 
 def raw_generate(llm, prompts, params):
@@ -189,7 +189,7 @@ def main() -> None:
     G = probe.rollout.group_size
     cfg, path, tokenizer, prompts, sampling = default_job(max(job_prompts, max(args.sizes) // G), args.dtype)
     if args.threads:  # the subprocess engine core binds its own threads
-        cfg.rollout.vllm_cpu_threads_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
+        cfg.rollout.vllm.cpu_threads_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
     results: dict = {"model": cfg.model.name, "dtype": args.dtype, "group_size": G, "argv": sys.argv[1:],
                      "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                      "cpu_count": len(os.sched_getaffinity(0)), "python": platform.python_version(),

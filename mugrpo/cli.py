@@ -94,6 +94,10 @@ def _train_verb(args) -> int:
     from mugrpo.training.checkpoint import Interrupted, resume_config
     from mugrpo.training.trainer import train
 
+    for flag, value in (("--run-dir", args.run_dir), ("--resume", args.resume)):
+        if value and Path(value).exists() and not Path(value).is_dir():
+            raise ConfigError(f"{flag} {value}: that is a file, not a run directory; "
+                              + ("choose a new folder name" if flag == "--run-dir" else "give the run's folder"))
     if args.resume:
         run_dir = Path(args.resume)
         if args.run_dir and Path(args.run_dir).resolve() != run_dir.resolve():

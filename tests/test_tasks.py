@@ -177,3 +177,27 @@ def test_math_rows_repeated_across_the_split_leave_training(tmp_path):
     task = build_task(TaskConfig(kind="math", name=str(path), eval_size=3, few_shot=[]))
     assert [i.question for i in task.eval_items] == ["what is 0  + 1?", "What is 1 + 1?"]
     assert [i.question for i in task.items] == [f"What is {i} + 1?" for i in range(2, 10)]
+
+
+def test_truncation_keeps_the_tail_of_each_prompt():
+    from mugrpo.rollout.tasks import limit_prompts
+
+    # limit 3: [1..5] keeps its last three tokens (the question and the generation prompt sit at the end);
+    # a prompt within the limit is unchanged.
+    cfg = TaskConfig(max_prompt_tokens=3, prompt_too_long="truncate")
+    prompts, kept = limit_prompts([[1, 2, 3, 4, 5], [7, 8]], cfg, "training")
+    assert prompts == [[3, 4, 5], [7, 8]] and kept == [0, 1]
+
+
+def test_an_integer_prompt_is_refused_naming_the_row():
+    with pytest.raises(TaskError, match="row 1: the prompt column 'prompt' holds a int \\(7\\)"):
+        build_task(TaskConfig(eval_size=0, reward_fn="toy_rewards:frac_ones"),
+                   rows=[{"prompt": "a question"}, {"prompt": 7}])
+
+
+def test_rows_without_an_answer_are_kept_unless_a_reward_checks_answers():
+    rows = [{"prompt": "q1", "answer": "1"}, {"prompt": "q2", "answer": None}, {"prompt": "q3", "answer": ""}]
+    own = build_task(TaskConfig(eval_size=0, reward_fn="toy_rewards:frac_ones"), rows=rows)
+    assert [item.answer for item in own.items] == ["1", "", ""]
+    checked = build_task(TaskConfig(eval_size=0), rows=rows)  # correctness (math-verify) needs the answer
+    assert [item.answer for item in checked.items] == ["1"]

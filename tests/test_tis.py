@@ -1,5 +1,6 @@
 """loss.behavior_logprobs=trainer (mugrpo.training.tis): the TIS weight and mismatch metrics by hand, the
 trainer-side recompute against a plain per-sequence forward, persistence, bad input, end to end."""
+import dataclasses
 import math
 import os
 import subprocess
@@ -18,7 +19,8 @@ from mugrpo.training.distributed import World
 from mugrpo.training.forward import response_logprobs
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.models.loading import load_policy
-from mugrpo.training.trainer import train
+from mugrpo.algo.losses import LossSettings
+from mugrpo.training.trainer import step_settings, train
 
 
 def test_tis_weights_by_hand():
@@ -80,10 +82,10 @@ def test_trainer_logprobs_are_persisted_subset_and_laid_out_like_the_engines(tmp
     for mb in (collate(back, [0, 1, 2, 3], 0), collate_shared(back, make_rows(back, [0, 1, 2, 3], True, 64), 0)):
         m = mb.response_mask
         torch.testing.assert_close(mb.trainer_logprobs[m], mb.behavior_logprobs[m] + 0.1)
-        old, w = tis.ratio_inputs(mb, LossConfig(behavior_logprobs="trainer", tis_cap=2.0))
+        old, w = tis.ratio_inputs(mb, LossSettings.from_config(LossConfig(behavior_logprobs="trainer", tis_cap=2.0), 1))
         assert old is mb.trainer_logprobs
         torch.testing.assert_close(w[m], torch.full_like(w[m], math.exp(0.1)))
-        old, w = tis.ratio_inputs(mb, LossConfig())
+        old, w = tis.ratio_inputs(mb, LossSettings.from_config(LossConfig(), 1))
         assert old is mb.behavior_logprobs and w is None
 
 
@@ -91,15 +93,15 @@ def test_stage_metrics_by_hand_and_missing_trainer_logprobs_named(tmp_path):
     cfg = load_config("mu-grpo", overrides=["loss.behavior_logprobs=trainer"])
     # The A = 0 sequence 1 is not recomputed: 2 + 3 + 1 = 6 tokens, each d = 0.1:
     # |d| = 0.1, k3 = e^0.1 - 1.1 = 0.0051709, w = e^0.1 = 1.1051709, none capped at C = 2.
-    m = tis.stage_metrics(_stage(), cfg, World(), tmp_path)
+    m = tis.stage_metrics(_stage(), step_settings(cfg), World(), tmp_path)
     assert m["stage/num_recomputed_tokens"] == 6 and m["stage/tis_capped_frac"] == 0.0
     assert m["stage/engine_trainer_log_ratio_abs_mean"] == pytest.approx(0.1, rel=1e-6)
     assert m["stage/engine_logprob_mismatch"] == m["stage/engine_trainer_log_ratio_abs_mean"]
     assert m["stage/engine_trainer_kl"] == pytest.approx(0.0051709, rel=1e-4)
     assert m["stage/tis_weight_mean"] == pytest.approx(1.1051709, rel=1e-6)
     with pytest.raises(StageDataError, match="rollouts_rank0.safetensors.*holds no trainer log-probs.*resume"):
-        tis.stage_metrics(_stage(trainer=False), cfg, World(), tmp_path)
-    assert tis.stage_metrics(_stage(trainer=False), load_config("mu-grpo"), World(), tmp_path) == {}
+        tis.stage_metrics(_stage(trainer=False), step_settings(cfg), World(), tmp_path)
+    assert tis.stage_metrics(_stage(trainer=False), step_settings(load_config("mu-grpo")), World(), tmp_path) == {}
 
 
 @pytest.mark.parametrize("override, accepted", [
@@ -124,7 +126,8 @@ def test_recompute_equals_a_plain_forward_of_each_sequence(tiny_model_dir, share
     cfg = load_config("mu-grpo", overrides=[f"train.shared_prefix={str(shared).lower()}",
                                             "schedule.micro_batch_tokens=24"])
     model = load_policy(tiny_model_dir)
-    out = tis.recompute_trainer_logprobs(model, data, cfg, World(), torch.device("cpu"), autocast=False)
+    out = tis.recompute_trainer_logprobs(model, data, dataclasses.replace(step_settings(cfg), autocast=False),
+                                     torch.device("cpu"))
     for s in range(9):
         if s % 3 == 1:  # A = 0: not recomputed, keeps the engine's log-probs
             assert out.trainer_logprobs[s] == data.behavior_logprobs[s]

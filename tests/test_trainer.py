@@ -10,7 +10,7 @@ from mugrpo.config import load_config
 from mugrpo.training.data import StageData
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, optimizer_update, train
+from mugrpo.training.trainer import RunState, Trainer, train
 
 UPDATE_KEYS = ["loss/policy", "loss/clip_frac_low", "loss/clip_frac_high", "loss/veto_token_frac",
                "loss/veto_seq_frac", "loss/trigger_frac", "loss/ratio_mean_neg", "loss/ratio_mean_pos",
@@ -90,8 +90,7 @@ def test_micro_batch_split_gives_the_same_update(tiny_model_dir, tmp_path):
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)  # parameter change = -gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         before = [p.detach().clone() for p in policy.parameters()]
-        optimizer_update(policy, optimizer, scheduler, data, RunState(stage=1, update_in_stage=3), cfg,
-                         make_plan(cfg), World(), torch.device("cpu"))
+        Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"), state=RunState(stage=1, update_in_stage=3)).update(data)
         grads.append([b - p.detach() for b, p in zip(before, policy.parameters())])
     for other in grads[1:]:
         for a, b in zip(grads[0], other):

@@ -33,9 +33,9 @@ PROMPTS = ["u:Calculate 5 - 3.\na:", "u:Hi\na:", "u:What is 7 + 1?\na:", "u:Say 
 
 def _rollout_cfg(**overrides):
     cfg = Config().rollout
-    cfg.vllm_kv_cache_gb = 0.25  # ~250k tokens of the tiny model's KV; the 2 GiB default is for real models
+    cfg.vllm.kv_cache_gb = 0.25  # ~250k tokens of the tiny model's KV; the 2 GiB default is for real models
     for key, value in overrides.items():
-        setattr(cfg, key, value)
+        setattr(cfg.vllm, key.removeprefix("vllm_"), value) if key.startswith("vllm_") else setattr(cfg, key, value)
     return cfg
 
 
@@ -135,6 +135,18 @@ def test_missing_vllm_error_names_the_install_command(monkeypatch):
         make_engine("vllm", "unused-model-path", None, _rollout_cfg())
 
 
+@pytest.mark.parametrize("env,level", [({}, "ERROR"), ({"MUGRPO_VLLM_VERBOSE": "1"}, None),
+                                       ({"VLLM_LOGGING_LEVEL": "DEBUG"}, "DEBUG")])
+def test_vllm_log_level_knob(monkeypatch, env, level):
+    """Runs in the default suite: quiet (ERROR) unless MUGRPO_VLLM_VERBOSE=1 or an explicit VLLM_LOGGING_LEVEL."""
+    from mugrpo.rollout.engines.vllm import _quiet_vllm_logs
+
+    environ = {k: v for k, v in os.environ.items() if k not in ("MUGRPO_VLLM_VERBOSE", "VLLM_LOGGING_LEVEL")}
+    monkeypatch.setattr(os, "environ", {**environ, **env})
+    _quiet_vllm_logs()
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == level  # None: vLLM keeps its own default (INFO)
+
+
 @pytest.mark.vllm
 def test_behavior_logprobs_match_trainer_fp32(tiny, engine_fp32):
     path, tokenizer, prompts = tiny
@@ -227,6 +239,69 @@ def test_generation_is_seeded_and_leaves_the_global_rng_alone(tiny, engine_fp32)
 
 
 @pytest.mark.vllm
+def test_greedy_generation_returns_the_argmax_token(tiny, engine_fp32):
+    path, _, prompts = tiny
+    policy = load_policy(path)
+    engine_fp32.load_weights((n, p.detach()) for n, p in policy.named_parameters())
+    # n = 1: vLLM 0.32 refuses greedy sampling with n > 1 (evaluation asks for one greedy answer).
+    out = engine_fp32.generate(prompts, SamplingConfig(n=1, temperature=0.0, max_new_tokens=6, seed=5))
+    assert sum(len(g[0].token_ids) for g in out) >= 8  # several steps to check, not one EOS per prompt
+    for prompt, group in zip(prompts, out):
+        ids = torch.tensor([prompt + group[0].token_ids])
+        with torch.no_grad():  # position P - 1 + t predicts token t
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        assert group[0].token_ids == logits.argmax(-1).tolist()
+
+
+_LOG_PROBE = """
+import logging, sys, torch
+from mugrpo.config import Config
+from mugrpo.rollout.engines import make_engine
+from mugrpo.rollout.engines.base import SamplingConfig
+from mugrpo.models.loading import load_policy, load_tokenizer
+
+if __name__ == "__main__":
+    path = sys.argv[1]
+    cfg = Config().rollout
+    cfg.vllm_kv_cache_gb, cfg.dtype = 0.25, "bfloat16"  # a float32 checkpoint into bf16: the cast warnings
+    engine = make_engine("vllm", path, load_tokenizer(path), cfg, seed=0)
+    engine.load_weights((n, p.detach()) for n, p in load_policy(path).named_parameters())  # the sync warnings
+    engine.generate([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=4))
+    engine.close()
+    logging.getLogger("vllm.v1.engine.core").error("PROBE: an error vLLM logs")
+    cfg.vllm_kv_cache_gb = 1e-6  # about 1 KB of KV cache: vLLM refuses to start
+    make_engine("vllm", path, load_tokenizer(path), cfg, seed=0)
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("verbose", [False, True])
+def test_vllm_logs_are_quiet_by_default_and_errors_still_print(tiny, tmp_path, verbose):
+    import re
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(_LOG_PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("MUGRPO_VLLM_VERBOSE", "VLLM_LOGGING_LEVEL")}
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), **({"MUGRPO_VLLM_VERBOSE": "1"} if verbose else {}))
+    run = subprocess.run([sys.executable, str(script), tiny[0]], env=env, capture_output=True, text=True,
+                         timeout=600)
+    out = run.stdout + run.stderr
+    warnings = re.findall(r"WARNING \d\d-\d\d .*", out)
+    print(f"\n[logs] verbose={verbose}: {len(warnings)} vLLM WARNING lines")
+    # A start, a sync and a generation give "Failed to load weights" and "Attempted to load weight"
+    # lines (and more) at vLLM's default level; none by default.
+    if verbose:
+        assert any("Failed to load weights" in w for w in warnings), out[-3000:]
+    else:
+        assert warnings == [], warnings
+    # Errors reach the console either way: vLLM's own ERROR lines, and the exception that ends the run.
+    assert run.returncode != 0
+    assert "PROBE: an error vLLM logs" in out
+    assert "No available memory for the cache blocks" in out, out[-3000:]
+
+
+@pytest.mark.vllm
 def test_bf16_engine_parity_after_sync(tiny, shared):
     prompts = tiny[2]
     shared.release()
@@ -260,7 +335,7 @@ def test_training_through_vllm_raises_the_reward(tiny, shared, tmp_path):
     shared.release()
     overrides = [f"model.name={path}", "rollout.engine=vllm", "task.reward_fn=vllm_rewards:fraction_of_ones",
                  "task.few_shot=[]", "task.instruction=", "rollout.max_new_tokens=8", "optim.lr=3e-3", "train.autocast=none",
-                 "rollout.vllm_kv_cache_gb=0.25",
+                 "rollout.vllm.kv_cache_gb=0.25",
                  "schedule.total_updates=16", "schedule.num_stages=4", "train.progress=false",
                  "train.save_stage_text=false", "train.save_final_model=false"]
     train(load_config(overrides=overrides), tmp_path / "run")

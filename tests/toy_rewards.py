@@ -45,3 +45,20 @@ def segfaults(completion, answer, item):
     import ctypes
 
     return ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+def flaky(completion, answer, item):
+    """Fails on some responses, deterministically by their text: raises on a '2', returns None (an
+    invalid value) on a '3', else :func:`frac_ones`; so a stage's reward/num_errors and num_invalid
+    are counts a test can compare across runs."""
+    if "2" in completion:
+        raise RuntimeError("flaky reward: a '2'")
+    if "3" in completion:
+        return None
+    return frac_ones(completion, answer, item)
+
+
+def hard_exits(completion, answer, item):
+    import os
+
+    os._exit(3)  # skips every finally and handler: the run would end without a message

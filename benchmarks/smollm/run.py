@@ -124,7 +124,7 @@ def run_mugrpo(method: str, size: Size, args) -> dict:
     def spent(key):
         return sum(r.get(key) or 0.0 for r in stages)
 
-    # Evaluations run inside optimizer_update calls, hence inside the trainer's perf/optimize_s.
+    # Evaluations run inside Trainer.update calls, hence inside the trainer's perf/optimize_s.
     breakdown = {"generate_s": spent("perf/generate_s"), "optimize_s": spent("perf/optimize_s") - evaluator.eval_s,
                  "sync_s": spent("perf/sync_s"), "score_s": spent("perf/score_s"),
                  # The last save comes after the last update, outside the run's clock.

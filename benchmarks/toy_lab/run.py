@@ -20,7 +20,7 @@ Each run is ``mugrpo.training.trainer.train`` with a config built by ``load_conf
 The only addition is an evaluation of the *current* policy every ``--eval-every`` updates on a fixed
 held-out set (:mod:`benchmarks.evaluate`): the trainer itself logs the reward of each stage's
 behaviour policy only, which for a 2-stage run is two points. The evaluation wraps
-``mugrpo.training.trainer.optimizer_update`` (looked up by name inside ``train``); its time is measured and
+``mugrpo.training.trainer.Trainer.update`` (looked up on the class inside ``train``); its time is measured and
 subtracted from the run's clock.
 
 Output: ``benchmarks/results/toy_lab.json`` (settings, machine, every run's curves, a summary per

@@ -2,8 +2,10 @@
 
 docs/ALGORITHM.md sections 5-8. Every function is pure: tensors and plain values in (the loss options
 as one frozen :class:`LossSettings`), a loss and a dict of metric tensors out. No model, no run
-config, no ``.item()``, no collectives. A new loss option is a field of ``LossSettings`` and of
-``config.LossConfig``, and its use here; the trainer passes the settings through untouched.
+config, no ``.item()``, no collectives. The options with several implementations are registries
+(:mod:`mugrpo.algo.registries`: the surrogate, the ratio level, the aggregation); a new one is a
+function here plus its registry line. A new numeric option is a field of ``LossSettings`` and of
+``config.LossConfig``; the trainer passes the settings through untouched.
 
 Shapes: B sequences, T response tokens (right-padded; ``mask`` [B, T] marks real tokens).
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mugrpo.config import AGGREGATIONS, CLIP_MODES, RATIO_LEVELS
+from mugrpo.algo.registries import AGGREGATORS, RATIO_MODES, SURROGATES
 from mugrpo.algo.veto import veto_mask
 
 LOG_RATIO_GUARD = 20.0
@@ -79,22 +81,10 @@ def m2po_tau(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
 
 def aggregate(token_loss: torch.Tensor, keep: torch.Tensor, per_seq_count: torch.Tensor, *, mode: str,
               denominator: torch.Tensor | float, seq_len_norm: int) -> torch.Tensor:
-    """Reduce [B, T] token losses to this micro-batch's share of the step loss.
-
-    - ``token-mean``: sum_{i,t} l_it keep_it / denominator (denominator = tokens in the step).
-    - ``seq-mean-token-mean`` (original GRPO): sum_i (sum_t l_it keep_it / n_i) / denominator
-      (n_i = ``per_seq_count``, denominator = sequences in the step).
-    - ``seq-mean-token-sum-norm`` (Dr. GRPO): sum_i sum_t l_it keep_it / L / denominator with the
-      constant L = ``seq_len_norm`` (max new tokens), denominator = sequences in the step.
-    """
-    masked = token_loss * keep
-    if mode == "token-mean":
-        return masked.sum() / denominator
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(1) / per_seq_count.clamp(min=1)).sum() / denominator
-    if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / seq_len_norm / denominator
-    raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
+    """Reduce [B, T] token losses to this micro-batch's share of the step loss, by the aggregation
+    registered as ``mode`` (:meth:`mugrpo.algo.aggregation.Aggregation.reduce`)."""
+    return AGGREGATORS.get(mode).reduce(token_loss, keep, per_seq_count, denominator=denominator,
+                                        seq_len_norm=seq_len_norm)
 
 
 def k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -121,6 +111,10 @@ class LossSettings:
     entropy_coef: float
     seq_len_norm: int
     """L of ``seq-mean-token-sum-norm`` (the run's max new tokens)."""
+    behavior_logprobs: str = "engine"
+    """Which stored log-probs the ratio is taken against (:func:`mugrpo.training.update.ratio_inputs`)."""
+    tis_cap: float = 2.0
+    """C of the TIS weight with ``behavior_logprobs="trainer"`` (:mod:`mugrpo.training.tis`)."""
 
     @classmethod
     def from_config(cls, loss_cfg, seq_len_norm: int) -> "LossSettings":
@@ -132,6 +126,32 @@ class LossSettings:
         """Whether a sequence with A = 0 adds exactly nothing to the loss and its gradient: its
         surrogate is -min(rho * 0, clip(rho) * 0) = 0, and no other term (KL, entropy) is on."""
         return self.kl_beta == 0 and self.entropy_coef == 0
+
+    @property
+    def post_veto(self) -> bool:
+        """Whether the normaliser counts only what the veto kept (``veto_normalizer="post_veto"``)."""
+        return self.veto_normalizer == "post_veto"
+
+
+def ppo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, s: LossSettings):
+    """``clip_mode="ppo"``: the clipped surrogate with [1 - eps_low, 1 + eps_high] (and dual-clip).
+
+    Every surrogate returns (token loss [B, T], clipped_low, clipped_high, extra metric pairs)."""
+    loss, low, high = clipped_surrogate(log_ratio, advantages, 1.0 - s.clip_eps_low, 1.0 + s.clip_eps_high,
+                                        s.dual_clip_c)
+    return loss, low, high, {}
+
+
+def m2po_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, s: LossSettings):
+    """``clip_mode="m2po"``: the clipped surrogate with [e^-tau, e^tau], tau = :func:`m2po_tau`."""
+    tau = m2po_tau(log_ratio, advantages, mask, s.m2po_budget)
+    loss, low, high = clipped_surrogate(log_ratio, advantages, torch.exp(-tau), torch.exp(tau), s.dual_clip_c)
+    return loss, low, high, {"loss/m2po_tau": _pair(tau.clamp(max=LOG_RATIO_GUARD), 1)}
+
+
+def token_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``ratio_level="token"``: each token's own log-ratio (PPO, GRPO)."""
+    return log_ratio
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -169,18 +189,8 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     veto = veto_mask(log_ratio, advantages, mask, delta=s.veto_delta, scope=s.veto_scope)
     keep = mask & ~veto.vetoed
     fkeep = keep.to(logprobs.dtype)
-    if s.ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"unknown ratio level {s.ratio_level!r}; choose one of {RATIO_LEVELS}")
-    surrogate_log_ratio = log_ratio if s.ratio_level == "token" else sequence_log_ratio(log_ratio, keep)
-    if s.clip_mode == "m2po":
-        tau = m2po_tau(surrogate_log_ratio, advantages, mask, s.m2po_budget)
-        low, high = torch.exp(-tau), torch.exp(tau)
-    elif s.clip_mode == "ppo":
-        tau = None
-        low, high = 1.0 - s.clip_eps_low, 1.0 + s.clip_eps_high
-    else:
-        raise ValueError(f"unknown clip mode {s.clip_mode!r}; choose one of {CLIP_MODES}")
-    token_loss, clip_low, clip_high = clipped_surrogate(surrogate_log_ratio, advantages, low, high, s.dual_clip_c)
+    surrogate_log_ratio = RATIO_MODES.get(s.ratio_level)(log_ratio, keep)
+    token_loss, clip_low, clip_high, extra = SURROGATES.get(s.clip_mode)(surrogate_log_ratio, advantages, mask, s)
     if is_weights is not None:
         token_loss = token_loss * is_weights.detach().to(token_loss.dtype)
     per_seq = (fkeep if s.veto_normalizer == "post_veto" else fmask).sum(1)
@@ -189,8 +199,7 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     total = pg_loss
     metrics = _diagnostics(log_ratio, advantages, mask, keep, veto, clip_low, clip_high)
     metrics["loss/policy"] = _pair(pg_loss, 0)
-    if tau is not None:
-        metrics["loss/m2po_tau"] = _pair(tau.clamp(max=LOG_RATIO_GUARD), 1)
+    metrics.update(extra)
     if ref_logprobs is not None and s.kl_beta > 0:
         kl_tok = k3(ref_logprobs.detach() - logprobs)
         total = total + s.kl_beta * aggregate(kl_tok, fkeep, per_seq, **agg)

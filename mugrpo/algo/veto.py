@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mugrpo.config import VETO_SCOPES
+from mugrpo.algo.registries import VETO_SCOPES
 
 
 @dataclass

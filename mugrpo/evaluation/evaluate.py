@@ -142,10 +142,14 @@ class TrainingEvaluator:
     logs the combined result (every rank must call, as for the weight push).
     """
 
-    def __init__(self, cfg, plan, task: Task, tokenizer, engine, policy, logger, world, progress, t_start: float):
-        e = cfg.eval
-        self.cfg, self.plan, self.task, self.tokenizer, self.engine = cfg, plan, task, tokenizer, engine
-        self.policy, self.logger, self.world, self.progress, self.t_start = policy, logger, world, progress, t_start
+    def __init__(self, trainer):
+        """``trainer``: the run's :class:`mugrpo.training.trainer.Trainer` (its config, plan, task,
+        tokenizer, engine, policy, logger, world, progress and start time are read from it)."""
+        cfg, task, world, e = trainer.cfg, trainer.task, trainer.world, trainer.cfg.eval
+        self.trainer = trainer
+        self.cfg, self.plan, self.task, self.world = cfg, trainer.plan, task, world
+        self.tokenizer, self.engine, self.policy = trainer.tokenizer, trainer.engine, trainer.policy
+        self.logger, self.progress = trainer.logger, trainer.progress
         self.settings = EvalSettings(greedy=e.greedy, n=e.num_samples,
                                      ks=tuple(sorted({1, e.num_samples})) if e.num_samples else (),
                                      temperature=e.temperature, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
@@ -157,7 +161,7 @@ class TrainingEvaluator:
                 print(f"[mugrpo] warning: task {task.name!r} has no held-out items (task.eval_size); "
                       "evaluation during training is off", file=sys.stderr)
             self.enabled = False
-        self.prompts, self.items = render_prompts(tokenizer, items[world.rank::world.size], cfg.task)
+        self.prompts, self.items = render_prompts(self.tokenizer, items[world.rank::world.size], cfg.task)
         self._stage_s = 0.0
         self.in_loop_s = 0.0
         """Seconds of this stage's evaluations run from inside its optimisation loop."""
@@ -207,7 +211,8 @@ class TrainingEvaluator:
         metrics["perf/eval_s"] = seconds
         metrics["perf/eval_tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
         record = {"kind": "eval", "stage": state.stage, "update": state.update,
-                  "update_in_stage": state.update_in_stage, "time_s": time.perf_counter() - self.t_start, **metrics}
+                  "update_in_stage": state.update_in_stage, "time_s": time.perf_counter() - self.trainer.t_start,
+                  **metrics}
         self.logger.log(record)
         if self.world.is_main:
             self.progress.eval_summary(state.update, metrics)

@@ -33,6 +33,9 @@ def cache_root(cache_dir: str) -> Path:
 
 def resolve_model_path(name: str, cache_dir: str = "~/.cache/mugrpo") -> str:
     """Return something ``from_pretrained`` can load: a local folder, or an HF hub id."""
+    if not name.strip():  # Path("") is ".", which would be reported as "'.' has no config.json"
+        raise ModelError("model.name (or --model) is empty; give a Hugging Face model id, a local model folder, "
+                         f"or one of: {', '.join(BUILTIN_MODELS)}")
     if name in BUILTIN_MODELS:
         return str(_builtin_folder(name, cache_root(cache_dir)))
     path = Path(name).expanduser()
@@ -100,7 +103,53 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
                          "next to its weights (tokenizer.save_pretrained(folder) writes them)") from exc
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    _check_vocab(path, tokenizer, trust_remote_code)
     return tokenizer
+
+
+def _model_config(path: str, trust_remote_code: bool):
+    """The model's transformers config, or None when it cannot be read here (e.g. a hub id offline:
+    loading the model reports that itself)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+def _check_vocab(path: str, tokenizer, trust_remote_code: bool) -> None:
+    """ModelError when the tokenizer can produce ids the model has no embedding row for (they would
+    fail later as an IndexError deep inside generation)."""
+    config = _model_config(path, trust_remote_code)
+    vocab_size = getattr(getattr(config, "get_text_config", lambda: config)(), "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        raise ModelError(f"the tokenizer in {path!r} has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{vocab_size}: token ids {vocab_size}..{len(tokenizer) - 1} have no embedding. Use the "
+                         "tokenizer the model was trained with, or resize the model's embeddings "
+                         "(model.resize_token_embeddings(len(tokenizer))) and save it")
+
+
+def check_context(path: str, cfg, trust_remote_code: bool = False) -> None:
+    """ModelError naming the keys when a prompt of ``task.max_prompt_tokens`` plus ``rollout.max_new_tokens``
+    (or ``eval.max_new_tokens``) exceeds the model's context (``max_position_embeddings``).
+
+    Refused at start rather than clamped: the positions past the context have no trained position
+    embedding, and transformers only warns there, so a run would train on garbage without saying so; a
+    clamp would silently change which prompts are truncated or skipped. The limit counts truncated
+    prompts too (``task.prompt_too_long=truncate`` cuts to ``task.max_prompt_tokens``)."""
+    config = _model_config(path, trust_remote_code)
+    context = getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", None)
+    if not context:
+        return
+    for key, new in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                     ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        if new is not None and cfg.task.max_prompt_tokens + new > context:
+            raise ModelError(
+                f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + {key}={new} = "
+                f"{cfg.task.max_prompt_tokens + new} tokens exceed the context of {path!r} "
+                f"(max_position_embeddings={context}); lower task.max_prompt_tokens to at most "
+                f"{max(context - new, 0)}" + (f" or {key}" if new < context else f" and {key} below {context}"))
 
 
 def load_policy(path: str, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32):

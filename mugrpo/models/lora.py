@@ -24,6 +24,7 @@ Written against peft 0.21.2 (``LoraLayer.scaling``, ``base_layer``, ``fan_in_fan
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -46,11 +47,10 @@ def apply_lora(model: torch.nn.Module, lc) -> torch.nn.Module:
     """
     if not lc.rank:
         return model
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import inject_adapter_in_model
-
+    PeftLoraConfig, inject_adapter_in_model = _import_peft()
     targets = lc.target_modules if isinstance(lc.target_modules, str) else list(lc.target_modules)
     _check_targets(model, targets)
+    _warn_rank_above_width(model, targets, lc.rank)
     peft_cfg = PeftLoraConfig(r=lc.rank, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=targets,
                               bias="none")
     inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
@@ -59,6 +59,38 @@ def apply_lora(model: torch.nn.Module, lc) -> torch.nn.Module:
         param.requires_grad_(_is_adapter_param(name))
     model._mugrpo_lora = peft_cfg  # read by save_adapter and has_lora
     return model
+
+
+def _import_peft():
+    """peft's (LoraConfig, inject_adapter_in_model); LoraError naming the install command when peft is
+    missing (it is an optional dependency: the ``lora`` extra)."""
+    try:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import inject_adapter_in_model
+    except ModuleNotFoundError as exc:
+        raise LoraError(f"lora.rank > 0 needs peft, which is not installed ({exc}). Install it with: "
+                        "pip install 'mugrpo[lora]' (or pip install peft), or set lora.rank=0") from exc
+    return PeftLoraConfig, inject_adapter_in_model
+
+
+def _targeted_linears(model: torch.nn.Module, targets) -> list[tuple[str, torch.nn.Linear]]:
+    """The linear layers ``targets`` names, by peft's matching rule (see :func:`_check_targets`)."""
+    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
+    if targets == "all-linear":
+        return linear
+    return [(n, m) for n, m in linear if any(n == t or n.endswith(f".{t}") for t in targets)]
+
+
+def _warn_rank_above_width(model: torch.nn.Module, targets, rank: int) -> None:
+    """A warning when ``rank`` exceeds a targeted layer's smaller dimension: the update B @ A of a
+    d_out x d_in layer has rank at most min(d_out, d_in), so the extra rank only adds parameters."""
+    narrow = [(n, min(m.in_features, m.out_features)) for n, m in _targeted_linears(model, targets)
+              if rank > min(m.in_features, m.out_features)]
+    if narrow:
+        name, width = min(narrow, key=lambda nw: nw[1])
+        warnings.warn(f"lora.rank={rank} exceeds the width of {len(narrow)} targeted layer(s) (smallest: {name}, "
+                      f"min(in, out) = {width}); an adapter's update has rank at most that width, so the extra "
+                      f"rank only adds parameters. Choose lora.rank <= {width}", stacklevel=3)
 
 
 def _check_targets(model: torch.nn.Module, targets) -> None:

@@ -34,7 +34,7 @@ def build_char_tokenizer():
 
 
 def build_tiny_model(folder: str | Path, hidden: int = 64, layers: int = 2, heads: int = 4, seed: int = 0,
-                     max_positions: int = 512) -> Path:
+                     max_positions: int = 1024) -> Path:
     """Write a randomly initialised Llama (about 0.1M parameters at the defaults) and its tokenizer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -147,8 +147,10 @@ def make_logger(cfg, run_dir: Path):
     """``metrics.jsonl`` in ``run_dir`` plus the sinks named in ``cfg.log.loggers``."""
     import dataclasses
 
+    from mugrpo.training.run_dir import RunDir
+
     run_dir = Path(run_dir)
-    jsonl = JsonlLogger(run_dir / "metrics.jsonl")
+    jsonl = JsonlLogger(RunDir(run_dir).metrics)
     name = cfg.log.run_name or run_dir.resolve().name
     optional = []
     try:

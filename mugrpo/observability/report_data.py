@@ -29,6 +29,7 @@ import yaml
 
 from mugrpo.errors import UserError
 from mugrpo.observability.loggers import read_metrics
+from mugrpo.training.run_dir import RunDir
 
 PHASES = ("sync", "generate", "score", "optimize", "eval", "checkpoint")
 """Stage-time categories: ``perf/{phase}_s`` keys of stage records (absent keys count as 0)."""
@@ -68,10 +69,10 @@ class Run:
 
 def load_run(path: str | Path, label: Optional[str] = None) -> Run:
     path = Path(path)
-    metrics = path / "metrics.jsonl"
+    metrics = RunDir(path).metrics
     if not metrics.is_file():
         raise ReportError(f"{path}: no metrics.jsonl, so it is not a mugrpo run directory (or it has not started)")
-    config_file = path / "config.yaml"
+    config_file = RunDir(path).config
     config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
     try:
         records = read_metrics(metrics)

@@ -23,10 +23,12 @@ This module knows nothing about models, the loss or the engines.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import math
 import numbers
+import os
 import signal
 import threading
 import traceback
@@ -246,10 +248,40 @@ def score(rewards: list[RewardFn], completions: list[str], items: list, timeout_
 _FAILED = object()
 
 
+class RewardExit(Exception):
+    """A reward called ``os._exit``, which would have ended the whole run without a message."""
+
+
+@contextlib.contextmanager
+def _process_exit_refused():
+    """While a reward runs, ``os._exit`` raises :class:`RewardExit` instead of killing the process.
+
+    ``os._exit`` skips every ``finally`` and handler, so without this a reward that calls it ends the
+    run silently (nothing is lost: the last checkpoint resumes). Only calls through the ``os`` module
+    are caught: a reward that bound ``_exit`` before (``from os import _exit``), a C-level ``exit()``
+    or a crash still ends the process (docs/RELIABILITY.md). A forked child (e.g. a multiprocessing
+    worker the reward starts) must still be able to exit, so another pid gets the real function.
+    """
+    real, owner = os._exit, os.getpid()
+
+    def refuse(code: int) -> None:
+        if os.getpid() != owner:
+            real(code)
+        raise RewardExit(f"the reward called os._exit({code}), which would end the run without a message; "
+                         "the call scored 0. Return a number instead (or raise an exception)")
+
+    os._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def _guarded(call: Callable[[], Any], timeout_s: float, own: RewardStats, stats: ScoreStats, count: int) -> Any:
     """``call()`` with the time limit; ``_FAILED`` (``count`` errors or timeouts counted) if it fails."""
     try:
-        return call_with_timeout(call, timeout_s)
+        with _process_exit_refused():
+            return call_with_timeout(call, timeout_s)
     except RewardTimeout:
         own.num_timeouts += count
     except KeyboardInterrupt:  # Ctrl-C must still stop the run

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from mugrpo.errors import TaskError
+from mugrpo.rollout import TASK_KINDS
 from mugrpo.rollout.rewards import RewardFn, ScoreStats, make_reward, score
 
 __all__ = ["Item", "Task", "TaskError", "ScoreStats", "build_task", "clean_split", "extract_boxed", "prompt_ids"]
@@ -111,20 +112,21 @@ def build_task(task_cfg, rows: Optional[list[dict]] = None, eval_rows: Optional[
     (:func:`mugrpo.train`), used in place of loading ``task.name``."""
     if rows is not None:
         name, items, eval_items, correctness = _python_rows(task_cfg, rows, eval_rows)
-    elif task_cfg.kind == "rows":
-        raise TaskError(f"task.name={task_cfg.name!r}: this run's data were passed from Python to mugrpo.train and "
-                        "are not stored in its config; resume it from Python with the same data "
-                        "(mugrpo.train(run_dir=..., train_dataset=..., resume=True)), and evaluate its model on a "
-                        "named task or file (mugrpo eval --model RUN_DIR/final_model --task FILE.jsonl)")
-    elif task_cfg.kind == "reasoning_gym":
-        name, items, eval_items, correctness = _reasoning_gym(task_cfg)
-    else:
-        name, items, eval_items, correctness = _math(task_cfg)
+    else:  # the source registered as task.kind (mugrpo.rollout.TASK_KINDS)
+        name, items, eval_items, correctness = TASK_KINDS.get(task_cfg.kind)(task_cfg)
     rewards, eval_reward = _rewards(task_cfg, correctness)
     if any(r.builtin and r.fn is _math_verify for r in rewards):
         _require_answers(name, items + eval_items)
     items, eval_items = clean_split(name, items, eval_items, task_cfg.eval_size)
     return Task(name, items, eval_items, rewards, task_cfg.reward_timeout_s, eval_reward)
+
+
+def rows_source(task_cfg):
+    """``task.kind=rows`` without rows: the data were given from Python and are not in the config."""
+    raise TaskError(f"task.name={task_cfg.name!r}: this run's data were passed from Python to mugrpo.train and "
+                    "are not stored in its config; resume it from Python with the same data "
+                    "(mugrpo.train(run_dir=..., train_dataset=..., resume=True)), and evaluate its model on a "
+                    "named task or file (mugrpo eval --model RUN_DIR/final_model --task FILE.jsonl)")
 
 
 def _rewards(task_cfg, correctness) -> tuple[list[RewardFn], Optional[int]]:
@@ -204,7 +206,8 @@ def clean_split(name: str, items: list[Item], eval_items: list[Item], eval_size:
     return train, held_out
 
 
-def _reasoning_gym(task_cfg):
+def reasoning_gym_source(task_cfg):
+    """``task.kind=reasoning_gym``: (name, items, eval items, correctness) of a procedural generator."""
     import reasoning_gym
 
     def make(size: int, seed: int):
@@ -280,7 +283,8 @@ def _check_jsonl_rows(path: Path) -> None:
                                 "object of columns (e.g. {\"question\": ..., \"answer\": ...})")
 
 
-def _math(task_cfg):
+def math_source(task_cfg):
+    """``task.kind=math``: (name, items, eval items, correctness) of a local file or HF dataset."""
     rows = load_rows(task_cfg.name, task_cfg.split, task_cfg.subset)
     if not rows:
         raise TaskError(f"dataset {task_cfg.name!r} is empty")
@@ -305,9 +309,18 @@ def _tail_held_out(items: list[Item], eval_size: int) -> tuple[list[Item], list[
     return (items[:-n_eval], items[-n_eval:]) if n_eval else (items, [])
 
 
+def answers_needed(task_cfg) -> bool:
+    """Whether a reward checks the row's answer: a built-in ``correctness`` or ``math_verify``
+    (the default when neither ``task.rewards`` nor ``task.reward_fn`` is set). Rows without an answer
+    are kept for user rewards alone (they get an empty ``answer``)."""
+    specs = task_cfg.rewards or [{"fn": task_cfg.reward_fn or "correctness"}]
+    return any(isinstance(s, dict) and s.get("fn") in ("correctness", "math_verify") for s in specs)
+
+
 def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
     """Items from dataset rows (see the module doc for the columns read); rows without a prompt, or
-    with an answer column but no answer, are skipped with a warning; a missing column is an error."""
+    with an answer column but no answer when a reward checks answers (:func:`answers_needed`), are
+    skipped with a warning; a missing column is an error."""
     first = rows[0]
     if not isinstance(first, dict):
         raise TaskError(f"{source}: rows must be mappings of column -> value, got {type(first).__name__}")
@@ -317,12 +330,13 @@ def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
                         f"{sorted(first)}. Set task.question_key, or give a 'prompt' column (a string or chat "
                         "messages, as in TRL; mugrpo.from_trl converts TRL- and verl-style rows)")
     answer_key = next((k for k in (task_cfg.answer_key, "solution") if k in first), None)
+    need_answer = answer_key is not None and answers_needed(task_cfg)
     items, num_bad = [], 0
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise TaskError(f"{source}, row {i}: a {type(row).__name__}, not a mapping of column -> value")
         prompt, answer = row.get(prompt_key), _answer_of(row, answer_key)
-        if not _prompt_ok(prompt, source, i) or answer_key is not None and not answer.strip():
+        if not _prompt_ok(prompt, source, i, prompt_key) or need_answer and not answer.strip():
             num_bad += 1
             continue
         messages = prompt if isinstance(prompt, list) else None
@@ -330,9 +344,9 @@ def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
         items.append(Item(question, answer, dict(row), messages))
     if num_bad:
         print(f"[mugrpo] warning: skipped {num_bad} of {len(rows)} rows of {source} with an empty "
-              f"{prompt_key!r}" + (f" or {answer_key!r}" if answer_key else ""))
+              f"{prompt_key!r}" + (f" or {answer_key!r}" if need_answer else ""))
     if not items:
-        raise TaskError(f"{source}: no row has both a prompt and an answer")
+        raise TaskError(f"{source}: no row has " + ("both a prompt and an answer" if need_answer else "a prompt"))
     return items
 
 
@@ -345,8 +359,13 @@ def _answer_of(row: dict, answer_key: Optional[str]) -> str:
     return "" if value is None else str(value)
 
 
-def _prompt_ok(prompt, source: str, i: int) -> bool:
-    """False for an empty prompt (the row is skipped); TaskError for chat messages that are malformed."""
+def _prompt_ok(prompt, source: str, i: int, key: str) -> bool:
+    """False for an empty prompt (the row is skipped); TaskError for chat messages that are malformed,
+    or a prompt that is neither text nor messages (a number is almost surely the wrong column)."""
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        raise TaskError(f"{source}, row {i}: the prompt column {key!r} holds a {type(prompt).__name__} ({prompt!r}), "
+                        "not text or chat messages. Point task.question_key at the question column, or convert "
+                        "the prompts to strings")
     if isinstance(prompt, list):
         for m in prompt:
             if not (isinstance(m, dict) and {"role", "content"} <= set(m)):

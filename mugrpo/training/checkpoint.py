@@ -1,12 +1,12 @@
 """Run directories, checkpoints, the final HF export, and clean stops on SIGINT/SIGTERM.
 
-Layout of a run directory::
+Layout of a run directory (its names: :class:`mugrpo.training.run_dir.RunDir`)::
 
     config.yaml                    resolved config (written once, at start)
     .lock                          held (flock) by the process training in the directory
     metrics.jsonl                  one line per update and per stage
-    stages/stage_KKK/              the stage's data: shards, completion marker, readable jsonl
-                                   (file names: mugrpo.training.data.stage_dir and below)
+    stages/stage_KKK/              the stage's data: shards, completion marker, generation metrics,
+                                   readable jsonl (file names: mugrpo.training.data.shard_path and below)
     checkpoints/ckpt_UUUUUU/       model.safetensors (the trained parameters: all of them, or the LoRA
                                    adapters), optimizer.pt, scheduler.pt, rng_rank{R}.pt,
                                    trainer_state.json, config.yaml (the config it was trained with)
@@ -30,6 +30,7 @@ run may resume on a different number of processes (its stage data permitting, se
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import os
@@ -48,8 +49,9 @@ from mugrpo.errors import UserError
 from mugrpo.training import distributed as dist
 from mugrpo.models import lora
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
-                           set_value, to_dict, validate)
+                           resume_safe_keys, set_value, to_dict, validate)
 from mugrpo.training.data import SHARDS_FILE, atomic_write_text
+from mugrpo.training.run_dir import CONFIG_FILE, LOCK_FILE, RunDir  # noqa: F401 (LOCK_FILE: re-exported)
 from mugrpo.training.faults import maybe_die
 
 
@@ -68,11 +70,7 @@ class RunState:
     """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
-RESUME_SAFE_KEYS = ("train.progress", "train.threads", "checkpoint.every_updates", "checkpoint.keep_last",
-                    "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
-                    "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
-                    "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
-                    "parallel.timeout_s", "eval.", "log.")
+RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
 """Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
 
 
@@ -101,8 +99,8 @@ def discard_failed_start(run_dir: Path, keep_dir: bool) -> bool:
     take the correction when it changes the experiment. Only for a directory the run found empty
     (``keep_dir``: it existed then, so only its contents go). Returns True if it deleted."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir() or any((run_dir / "checkpoints").glob("ckpt_*")) or any(
-            (run_dir / "stages").glob(f"stage_*/{SHARDS_FILE}")):
+    if not run_dir.is_dir() or any(RunDir(run_dir).checkpoints.glob("ckpt_*")) or any(
+            RunDir(run_dir).stages.glob(f"stage_*/{SHARDS_FILE}")):
         return False
     for path in (list(run_dir.iterdir()) if keep_dir else [run_dir]):
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -112,7 +110,7 @@ def discard_failed_start(run_dir: Path, keep_dir: bool) -> bool:
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = True) -> None:
     run_dir = Path(run_dir)
     if resume:
-        if not (run_dir / "config.yaml").is_file():
+        if not RunDir(run_dir).config.is_file():
             raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
         return
     if is_main:
@@ -124,11 +122,10 @@ def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = Tr
         except OSError as exc:
             raise RunDirError(f"run directory {str(run_dir)!r} is not writable ({exc.strerror}); "
                               "choose another --run-dir") from exc
-        atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+        atomic_write_text(RunDir(run_dir).config, dump_yaml(cfg))
     dist.barrier()
 
 
-LOCK_FILE = ".lock"
 ADAPTER_DIR = "adapter"
 """final_model/adapter/: the LoRA adapter as a peft folder (LoRA runs only)."""
 
@@ -139,7 +136,7 @@ def lock_run_dir(run_dir: Path, world):
     error, handle = None, None
     if world.is_main:
         try:
-            handle = open(Path(run_dir) / LOCK_FILE, "a")
+            handle = open(RunDir(run_dir).lock, "a")
         except OSError as exc:
             error = f"run directory {str(run_dir)!r} is not writable ({exc.strerror}); choose another --run-dir"
         else:
@@ -164,7 +161,7 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     (``.tmp-NAME``), in the folders mugrpo writes them to.
     """
     run_dir = Path(run_dir)
-    folders = [run_dir, run_dir / "checkpoints", *sorted((run_dir / "stages").glob("stage_*"))]
+    folders = [run_dir, RunDir(run_dir).checkpoints, *sorted(RunDir(run_dir).stages.glob("stage_*"))]
     removed = []
     for folder in folders:
         if not folder.is_dir():
@@ -185,7 +182,7 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     whether it comes from an override or from an edit of the file.
     """
     run_dir = Path(run_dir)
-    path = run_dir / "config.yaml"
+    path = RunDir(run_dir).config
     if not path.is_file():
         raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
     values = read_config_file(path)
@@ -213,13 +210,13 @@ def _config_from_file(values: dict, path: Path) -> Config:
 
 def _trained_config(run_dir: Path) -> tuple[dict, Path] | None:
     """(values, file) of the config stored in the newest checkpoint that has a readable one."""
-    for folder in reversed(sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))):
+    for folder in reversed(sorted(RunDir(run_dir).checkpoints.glob("ckpt_*"))):
         try:
-            values = read_config_file(folder / "config.yaml")
+            values = read_config_file(folder / CONFIG_FILE)
         except ConfigError:  # a checkpoint written before configs were stored, or a damaged one
             continue
         if values:
-            return values, folder / "config.yaml"
+            return values, folder / CONFIG_FILE
     return None
 
 
@@ -291,9 +288,47 @@ def _full_state_dict(items) -> dict[str, torch.Tensor]:
     return {name: t.cpu().contiguous() for name, t in items if t is not None}
 
 
+class DiskFullError(UserError, OSError):
+    """The disk filled up while a checkpoint was written; the message says nothing was lost."""
+
+
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
-    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder."""
-    root = Path(run_dir) / "checkpoints"
+    """Write checkpoint ``ckpt_<update>`` atomically and prune old ones; returns its folder.
+
+    A full disk raises :class:`DiskFullError` (after removing the partial folder) instead of a raw
+    ``torch.save`` traceback: the write goes to a temporary folder first, so earlier checkpoints are
+    intact and ``--resume`` continues from the last one."""
+    try:
+        return _save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s)
+    except (OSError, RuntimeError) as exc:
+        cause = _write_failure(exc)
+        if cause is None:
+            raise
+        if world.is_main:
+            remove_stale_temporaries(run_dir)
+        last = sorted(RunDir(run_dir).checkpoints.glob("ckpt_*"))
+        raise DiskFullError(
+            f"{cause} while writing a checkpoint in {RunDir(run_dir).checkpoints} ({exc}). Nothing was lost: "
+            "the partial checkpoint was removed and "
+            + (f"the last complete one, {last[-1].name}, is intact" if last else "no earlier checkpoint was touched")
+            + f". Free some space, then continue with: mugrpo train --resume {run_dir}") from exc
+
+
+_TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing", "file write failed", "unexpected pos")
+"""torch.save's zip writer reports a failed write as a RuntimeError with one of these, and no errno."""
+
+
+def _write_failure(exc: BaseException) -> str | None:
+    """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write); else None."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+    if isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TORCH_WRITE_FAILED):
+        return "a write failed (torch gives no reason; almost always no space left on device)"
+    return None
+
+
+def _save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
+    root = RunDir(run_dir).checkpoints
     name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
     final = root / name
     # Collectives under FSDP2: every rank takes part, rank 0 keeps the gathered tensors.
@@ -312,7 +347,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
         torch.save({"scheduler": scheduler.state_dict()}, tmp / "scheduler.pt")
         trainer_state = {**dataclasses.asdict(state), "elapsed_s": elapsed_s, "world_size": world.size}
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-        (tmp / "config.yaml").write_text(dump_yaml(cfg))  # what a resume is checked against
+        (tmp / CONFIG_FILE).write_text(dump_yaml(cfg))  # what a resume is checked against
     dist.barrier()
     maybe_die("checkpoint_write")
     if world.is_main:
@@ -365,7 +400,7 @@ def _newest_loadable(run_dir: Path, world) -> Path | None:
     decides and broadcasts). None when there is no checkpoint; RunDirError when none is loadable."""
     choice, bad = None, []
     if world.is_main:
-        for path in reversed(sorted((Path(run_dir) / "checkpoints").glob("ckpt_*"))):
+        for path in reversed(sorted(RunDir(run_dir).checkpoints.glob("ckpt_*"))):
             why = _unreadable(path)
             if why is None:
                 choice = str(path)

@@ -4,7 +4,8 @@ A stage's data is static: prompts, sampled responses, their behaviour log-probs,
 advantages computed once at generation time. Each rank writes its shard atomically to
 ``RUN_DIR/stages/stage_KKK/rollouts_rank{R}.safetensors`` right after scoring, so a run resumed
 mid-stage never regenerates. Sequences are stored group by group: sequence s belongs to group s // G.
-The names of a stage's files are defined here and nowhere else (:func:`stage_dir` and below).
+The stage folder's name comes from :class:`mugrpo.training.run_dir.RunDir`; the names of the shard
+and text files in it are defined here and nowhere else (:func:`shard_path`, :func:`text_path`).
 
 Shapes: B sequences in a micro-batch, P padded prompt length, R padded response length.
 """
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from mugrpo.training import seeds
 from mugrpo.errors import UserError
+from mugrpo.training.run_dir import RunDir
 
 FORMAT_VERSION = 1
 SHARDS_FILE = "shards.json"
@@ -38,7 +40,7 @@ class StageDataError(UserError, RuntimeError):
 
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
-    return Path(run_dir) / "stages" / f"stage_{stage:03d}"
+    return RunDir(run_dir).stage(stage)
 
 
 def shard_path(stage_dir: Path, shard: int) -> Path:

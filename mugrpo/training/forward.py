@@ -17,6 +17,13 @@ What the shared layout relies on (transformers 5.19, checked for the families in
 as is (``masking_utils._preprocess_mask_arguments``), explicit ``position_ids`` drive the
 rotary embedding, and the causal-LM module applies its head to ``base_model``'s
 ``last_hidden_state``. Anything else gets the plain layout (:func:`shared_prefix_support`).
+
+Exactness: the shared layout gives the plain one's log-probs, and its gradients up to rounding.
+In a float64 Llama that rounding is float32-sized (1e-7 relative), not float64-sized: transformers'
+``LlamaRMSNorm`` computes in float32 whatever the model's dtype, and the shared row sums the G
+responses' gradients at a prompt position before that float32 backward, the plain rows after it.
+Not the attention kernel (sdpa's math backend gives the same numbers); with the norm in float64
+the layouts agree to 1e-14 (docs/ALGORITHM.md section 9, ``tests/test_batching.py``).
 """
 
 from __future__ import annotations

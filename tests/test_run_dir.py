@@ -1,0 +1,19 @@
+"""RunDir names the run directory's files; they must stay those older runs wrote, so those keep resuming."""
+from pathlib import Path
+
+from mugrpo.training.data import stage_dir
+from mugrpo.training.run_dir import RunDir
+
+
+def test_names_on_disk_are_those_of_earlier_versions():
+    rd = RunDir("run")
+    assert (rd.config, rd.metrics, rd.lock) == (Path("run/config.yaml"), Path("run/metrics.jsonl"), Path("run/.lock"))
+    assert (rd.checkpoints, rd.final_model) == (Path("run/checkpoints"), Path("run/final_model"))
+    assert rd.stage(7) == stage_dir("run", 7) == Path("run/stages/stage_007")
+
+
+def test_stage_metrics_round_trip_and_an_old_stage_dir_reads_as_empty(tmp_path):
+    RunDir.write_stage_metrics(tmp_path / "stage_000", {"reward/num_errors": 3, "reward/unparsable_frac": 0.25})
+    assert RunDir.read_stage_metrics(tmp_path / "stage_000") == {"reward/num_errors": 3, "reward/unparsable_frac": 0.25}
+    assert not [p for p in (tmp_path / "stage_000").iterdir() if ".tmp-" in p.name]  # written atomically
+    assert RunDir.read_stage_metrics(tmp_path / "stage_001") == {}
