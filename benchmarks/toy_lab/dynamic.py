@@ -77,7 +77,9 @@ def summarise(runs: list[dict]) -> dict:
 
         def stat(values):
             values = [v for v in values if v is not None and v == v]
-            return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "values": values} if values else None
+            if not values:
+                return None
+            return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "values": values}
 
         stage = lambda r, k: [s.get(k) for s in r["stages"] if s.get(k) is not None]  # noqa: E731
         out[name] = {
@@ -86,8 +88,8 @@ def summarise(runs: list[dict]) -> dict:
             "train_s": stat([r["train_s"] for r in rs]),
             "generate_s": stat([sum(stage(r, "perf/generate_s")) for r in rs]),
             "generated_tokens": stat([tokens_before(r["stages"], 10**9) for r in rs]),
-            "generated_sequences": stat([sum(stage(r, "stage/num_sequences")) + sum(stage(r, "stage/num_extra_sequences"))
-                                         for r in rs]),
+            "generated_sequences": stat([sum(stage(r, "stage/num_sequences"))
+                                         + sum(stage(r, "stage/num_extra_sequences")) for r in rs]),
             "informative_frac_generated": stat([statistics.fmean(stage(r, "stage/informative_frac") or [float("nan")])
                                                 for r in rs]),
             "zero_var_frac_trained": stat([statistics.fmean(stage(r, "stage/zero_var_group_frac")) for r in rs]),
@@ -128,10 +130,12 @@ def main(argv=None) -> int:
     size.max_new_tokens = warm["max_new_tokens"]
     # run_one keeps the stage keys it is told about: add the dynamic-sampling ones.
     lab.STAGE_KEYS = tuple(dict.fromkeys(lab.STAGE_KEYS + DYNAMIC_KEYS))
-    exps = [e for e in experiments(args.presets, args.oversample, args.max_rounds) if not args.only or e[0] in args.only]
+    exps = [e for e in experiments(args.presets, args.oversample, args.max_rounds)
+            if not args.only or e[0] in args.only]
     result = {"benchmark": "toy_lab_dynamic", "size": asdict(size), "warmstart": warm,
               "dynamic": {"oversample": args.oversample, "max_rounds": args.max_rounds},
-              "machine": lab.machine(), "command": " ".join(["python -m benchmarks.toy_lab.dynamic"] + (argv or sys.argv[1:])),
+              "machine": lab.machine(),
+              "command": " ".join(["python -m benchmarks.toy_lab.dynamic"] + (argv or sys.argv[1:])),
               "runs": []}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     t_all, cpu_all = time.perf_counter(), lab._cpu_s()

@@ -26,8 +26,7 @@ import torch
 
 from mugrpo.training import dynamic
 from mugrpo.training.data import StageData, StageDataError, atomic_write_text
-
-ROUNDS_DIR = "rounds"
+from mugrpo.training.run_dir import ROUNDS_DIR
 
 
 def round_paths(stage_dir: Path, round_index: int, rank: int) -> tuple[Path, Path]:
