@@ -5,7 +5,8 @@ stage once, with behaviour log-probs -> score -> group advantages -> persist the
 release the engine -> mu optimizer updates on the static data, ratios always against the STORED
 behaviour log-probs. ``grpo`` is this loop with mu = 4. With ``schedule.adaptive`` a stage may end
 before mu updates when a drift guard trips (:mod:`mugrpo.algo.adaptive`); the run always ends after
-``total_updates``.
+``total_updates``. With ``rollout.dynamic_sampling`` the generation phase runs in rounds
+and keeps the informative groups (:mod:`mugrpo.training.dynamic`, :mod:`mugrpo.training.rounds`).
 
 Here: :func:`train` (the loop) and :class:`Trainer`, the one owner of a run's machinery (policy,
 optimizer, scheduler, engine, world, plan, resolved precision, reference model, task, tokenizer,
