@@ -48,7 +48,10 @@ def experiments(presets: list[str], oversample: float, max_rounds: int) -> list[
     """(name, preset, overrides): each preset without and with dynamic sampling."""
     on = ["rollout.dynamic_sampling=true", f"rollout.dynamic_oversample={oversample}",
           f"rollout.dynamic_max_rounds={max_rounds}"]
-    return [(p + suffix, p, extra) for p in presets for suffix, extra in (("", []), ("+dynamic", on))]
+    # The char model's context is 512 positions; the default task.max_prompt_tokens (512) plus the
+    # answer would not fit, which the start-up check refuses. The lab's prompts are ~25 tokens.
+    fit = ["task.max_prompt_tokens=128"]
+    return [(p + suffix, p, fit + extra) for p in presets for suffix, extra in (("", []), ("+dynamic", on))]
 
 
 def generated_tokens(stages: list[dict]) -> list[tuple[int, float]]:
