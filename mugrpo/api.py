@@ -78,7 +78,7 @@ def make_config(config: ConfigLike = None, preset: Optional[str] = None) -> Conf
 def train(config: ConfigLike = None, *, preset: Optional[str] = None,
           reward_funcs: Union[RewardLike, list[RewardLike], None] = None, reward_weights: Optional[list[float]] = None,
           train_dataset: Any = None, eval_dataset: Any = None, run_dir: Union[str, Path, None] = None,
-          resume: bool = False) -> TrainResult:
+          tools: Optional[list] = None, environment: Any = None, resume: bool = False) -> TrainResult:
     """Train (or resume) a run; returns where it is and its final model.
 
     - ``config``: see :func:`make_config`; the same keys as ``mugrpo train``.
@@ -90,8 +90,13 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
       column (a string or chat messages) or a ``question`` column, and an ``answer`` (or
       ``solution``) column for the correctness reward; or a file path / HF dataset name
       (``task.kind=math``). Without ``eval_dataset`` the last ``task.eval_size`` rows are held out.
+    - ``tools``: functions the model may call, as TRL's ``tools=`` (type hints and a docstring with
+      ``Args:``), or ``module:function`` paths; sets ``task.tools`` (docs/ENVIRONMENTS.md).
+    - ``environment``: a multi-turn environment: a name (``calculator``, ``multi_attempt``,
+      ``skyrl_gym``), a ``module:Class`` path, an Environment class or factory, or a TRL
+      ``environment_factory``; sets ``task.env`` (its arguments: ``task.env_args``).
     - ``resume=True``: continue the run in ``run_dir`` from its last checkpoint, with the same
-      reward functions and data when they were given from Python.
+      reward functions, tools, environment and data when they were given from Python.
     """
     from mugrpo.rollout.tasks import build_task
     from mugrpo.training.trainer import train as run_training
@@ -102,12 +107,17 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
         if config is not None or preset is not None:
             raise ConfigError("resume=True takes the run's own config.yaml; drop config/preset")
         cfg = _resumed_config(Path(run_dir), reward_funcs, reward_weights)
+        _resumed_environment(cfg, Path(run_dir), tools, environment)
     else:
         cfg = make_config(config, preset)
         if reward_funcs is not None:
             _set_rewards(cfg, reward_funcs, reward_weights)
         elif reward_weights is not None:
             raise ConfigError("reward_weights without reward_funcs; give the functions they weigh")
+        if tools is not None:
+            cfg.task.tools = list(tools) if isinstance(tools, (list, tuple)) else [tools]
+        if environment is not None:
+            cfg.task.env = environment
     rows, eval_rows = _data(cfg, train_dataset, eval_dataset, resume)
     validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
@@ -153,6 +163,31 @@ def _resumed_config(run_dir: Path, funcs, weights) -> Config:
     for i in python:
         cfg.task.rewards[i] = {**cfg.task.rewards[i], "fn": given[i]}
     return cfg
+
+
+def _resumed_environment(cfg: Config, run_dir: Path, tools, environment) -> None:
+    """Put back the Python tools and environment a run was trained with (config.yaml holds their
+    ``python:`` labels); anything else given must equal what the run used."""
+    def shown(value):
+        return function_label(value) if callable(value) else value
+
+    stored_env, given_env = cfg.task.env, environment
+    if given_env is not None or _is_label(stored_env):
+        if shown(given_env) != stored_env:
+            raise ConfigError(f"{run_dir} was trained with environment {stored_env!r}; pass the same one to resume it "
+                              f"(got {shown(given_env)!r})" + (" or drop it" if not _is_label(stored_env) else ""))
+        cfg.task.env = given_env
+    stored_tools = list(cfg.task.tools)
+    given_tools = [] if tools is None else list(tools) if isinstance(tools, (list, tuple)) else [tools]
+    if tools is not None or any(_is_label(t) for t in stored_tools):
+        if [shown(t) for t in given_tools] != stored_tools:
+            raise ConfigError(f"{run_dir} was trained with tools {stored_tools}; pass the same ones, in that order, to "
+                              f"resume it (got {[shown(t) for t in given_tools]})")
+        cfg.task.tools = given_tools
+
+
+def _is_label(value) -> bool:
+    return isinstance(value, str) and value.startswith(PYTHON_PREFIX)
 
 
 def _data(cfg: Config, train_dataset, eval_dataset, resume: bool) -> tuple[Optional[list], Optional[list]]:

@@ -263,13 +263,13 @@ from mugrpo.models.loading import load_policy, load_tokenizer
 if __name__ == "__main__":
     path = sys.argv[1]
     cfg = Config().rollout
-    cfg.vllm_kv_cache_gb, cfg.dtype = 0.25, "bfloat16"  # a float32 checkpoint into bf16: the cast warnings
+    cfg.vllm.kv_cache_gb, cfg.dtype = 0.25, "bfloat16"  # a float32 checkpoint into bf16: the cast warnings
     engine = make_engine("vllm", path, load_tokenizer(path), cfg, seed=0)
     engine.load_weights((n, p.detach()) for n, p in load_policy(path).named_parameters())  # the sync warnings
     engine.generate([[5, 6, 7]], SamplingConfig(n=2, max_new_tokens=4))
     engine.close()
     logging.getLogger("vllm.v1.engine.core").error("PROBE: an error vLLM logs")
-    cfg.vllm_kv_cache_gb = 1e-6  # about 1 KB of KV cache: vLLM refuses to start
+    cfg.vllm.kv_cache_gb = 1e-6  # about 1 KB of KV cache: vLLM refuses to start
     make_engine("vllm", path, load_tokenizer(path), cfg, seed=0)
 """
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mugrpo.algo.registries import AGGREGATORS, RATIO_MODES, SURROGATES
+from mugrpo.algo.turns import turn_metrics
 from mugrpo.algo.veto import veto_mask
 
 LOG_RATIO_GUARD = 20.0
@@ -168,7 +169,8 @@ def sequence_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Ten
 def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, settings: LossSettings, *, denominator: torch.Tensor | float,
                 ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                is_weights: torch.Tensor | None = None, turns: torch.Tensor | None = None,
+                num_turns: int = 0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Mu-GRPO loss of one micro-batch, and its metrics as [numerator, denominator] pairs.
 
     ``logprobs`` [B, T] carry the gradient; ``behavior_logprobs`` [B, T] are the stored behaviour
@@ -181,6 +183,9 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     surrogate, e.g. the truncated importance weight min(pi_trainer / pi_engine, C) of
     :func:`mugrpo.training.tis.tis_weights`; it scales neither the KL nor the entropy term, nor the
     normaliser. A = 0 tokens stay exactly 0 (0 * w = 0). None: the loss is exactly today's.
+
+    ``turns`` [B, T] (multi-turn data, optional): adds the by-turn veto diagnostics over
+    ``num_turns`` buckets (:func:`mugrpo.algo.turns.turn_metrics`); the loss does not change.
     """
     s = settings
     mask = mask.bool()
@@ -200,6 +205,8 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
     metrics = _diagnostics(log_ratio, advantages, mask, keep, veto, clip_low, clip_high)
     metrics["loss/policy"] = _pair(pg_loss, 0)
     metrics.update(extra)
+    if turns is not None and num_turns > 0:
+        metrics.update(turn_metrics(veto.vetoed, veto.first_trigger, mask, turns, num_turns))
     if ref_logprobs is not None and s.kl_beta > 0:
         kl_tok = k3(ref_logprobs.detach() - logprobs)
         total = total + s.kl_beta * aggregate(kl_tok, fkeep, per_seq, **agg)

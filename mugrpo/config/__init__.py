@@ -17,7 +17,7 @@ from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import resume_safe_keys, stage_shape, validate
 from mugrpo.config.schema import (ADAPTIVE_GUARDS, AGGREGATIONS, BEHAVIOR_LOGPROBS, CLIP_MODES, DEFAULT_FEW_SHOT,
                                   DEFAULT_INSTRUCTION, LOGGERS, LORA_DEFAULT_TARGETS, RATIO_LEVELS, VETO_NORMALIZERS,
-                                  VETO_SCOPES, CheckpointConfig, Config, EvalConfig, LogConfig, LoraConfig,
+                                  VETO_SCOPES, CheckpointConfig, Config, EnvConfig, EvalConfig, LogConfig, LoraConfig,
                                   LossConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig,
                                   ScheduleConfig, TaskConfig, TrainConfig, VllmConfig)
 from mugrpo.errors import ConfigError
@@ -25,7 +25,7 @@ from mugrpo.errors import ConfigError
 __all__ = [
     "ADAPTIVE_GUARDS", "AGGREGATIONS", "BEHAVIOR_LOGPROBS", "CLIP_MODES", "DEFAULT_FEW_SHOT", "DEFAULT_INSTRUCTION",
     "LOGGERS", "LORA_DEFAULT_TARGETS", "PRESETS", "RATIO_LEVELS", "RENAMED_KEYS", "VETO_NORMALIZERS", "VETO_SCOPES",
-    "CheckpointConfig", "Config", "ConfigError", "EvalConfig", "LogConfig", "LoraConfig", "LossConfig",
+    "CheckpointConfig", "Config", "ConfigError", "EnvConfig", "EvalConfig", "LogConfig", "LoraConfig", "LossConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "RolloutConfig", "ScheduleConfig", "TaskConfig", "TrainConfig",
     "VllmConfig", "dump_yaml", "field_docs", "from_dict", "load_config", "parse_override", "read_config_file",
     "resume_safe_keys", "set_value", "stage_shape", "to_dict", "validate",

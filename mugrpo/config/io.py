@@ -180,12 +180,17 @@ def read_config_file(file: str | Path) -> dict[str, Any]:
 
 
 def to_dict(cfg: Config) -> dict:
-    """The config as plain data; a reward given as a Python function is written ``python:module.qualname``."""
+    """The config as plain data; a reward, tool or environment given as a Python object is written
+    ``python:module.qualname``."""
     from mugrpo.rollout.rewards import function_label
 
-    rewards = [{**spec, "fn": function_label(spec["fn"])} if isinstance(spec, dict) and callable(spec.get("fn"))
-               else spec for spec in cfg.task.rewards]
-    return dataclasses.asdict(dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, rewards=rewards)))
+    def label(value):
+        return function_label(value) if callable(value) else value
+
+    rewards = [{**spec, "fn": label(spec["fn"])} if isinstance(spec, dict) else spec for spec in cfg.task.rewards]
+    task = dataclasses.replace(cfg.task, rewards=rewards, env=label(cfg.task.env),
+                               tools=[label(t) for t in cfg.task.tools])
+    return dataclasses.asdict(dataclasses.replace(cfg, task=task))
 
 
 def dump_yaml(cfg: Config) -> str:

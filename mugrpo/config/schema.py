@@ -18,7 +18,7 @@ from typing import Any, Literal, Optional
 
 from mugrpo.errors import ConfigError
 from mugrpo.algo.registries import AGGREGATIONS, AGGREGATORS, CLIP_MODES, RATIO_LEVELS, RATIO_MODES, SURROGATES, VETO_SCOPES
-from mugrpo.rollout import TASK_KINDS
+from mugrpo.rollout import ENVIRONMENTS, TASK_KINDS
 from mugrpo.rollout.engines import ENGINES
 
 SAFE = {"resume_safe": True}
@@ -108,6 +108,16 @@ class TaskConfig:
     max_prompt_tokens: int = 512
     prompt_too_long: Literal["error", "skip", "truncate"] = "error"
     """What to do with a prompt longer than ``max_prompt_tokens`` (truncate keeps the tail)."""
+    env: Optional[str] = None
+    """A multi-turn environment (docs/ENVIRONMENTS.md): ``calculator``, ``multi_attempt``,
+    ``skyrl_gym``, or a ``module:Class`` path; from Python (``mugrpo.train(environment=...)``) also an
+    Environment class, a factory, or a TRL ``environment_factory``. null: single-turn (or ``task.tools``)."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments of ``task.env``, e.g. ``{max_attempts: 3}`` or ``{env_id: gsm8k_multi_turn}``."""
+    tools: list = field(default_factory=list)
+    """Tools the model may call, as ``module:function`` paths (from Python, ``mugrpo.train(tools=...)``,
+    the functions), each with type hints and a docstring with ``Args:``. Alone (no ``task.env``) they
+    make a tool environment: a turn with ``<tool_call>`` gets the results, one without is the answer."""
 
     def validate(self) -> None:
         _check_registered(self.kind, TASK_KINDS, "task.kind")
@@ -120,9 +130,30 @@ class TaskConfig:
         if self.reward_fn is not None:
             _check(":" in self.reward_fn, "task.reward_fn", "'module:function'", self.reward_fn)
         _validate_rewards(self)
+        _validate_env(self)
         for i, shot in enumerate(self.few_shot):
             if not (isinstance(shot, dict) and set(shot) == {"question", "answer"}):
                 raise ConfigError(f"task.few_shot[{i}] must be a mapping with keys 'question' and 'answer'")
+
+
+def _validate_env(task: TaskConfig) -> None:
+    env = task.env
+    if isinstance(env, str) and env not in ENVIRONMENTS and ":" not in env:
+        raise ConfigError(f"task.env={env!r} is not a known option; accepted: {', '.join(ENVIRONMENTS.names())}, "
+                          "a 'module:Class' path, or null")
+    elif env is not None and not isinstance(env, str) and not callable(env):
+        raise ConfigError(f"task.env={env!r}: an environment name, a 'module:Class' path, or (from Python) an "
+                          "Environment class or factory")
+    # task.env_args without task.env is refused when the environment is built (rollout/envs/build.py),
+    # not here: mugrpo.train(environment=...) sets task.env after a config with its env_args is read.
+    _check(isinstance(task.env_args, dict), "task.env_args", "a mapping of argument -> value", task.env_args)
+    _check(isinstance(task.tools, list), "task.tools", "a list of 'module:function' paths", task.tools)
+    for i, tool in enumerate(task.tools):
+        _check(callable(tool) or isinstance(tool, str) and ":" in tool, f"task.tools[{i}]",
+               "a 'module:function' path (or, from Python, a function)", tool)
+    if task.tools and env is not None:
+        raise ConfigError("task.tools and task.env are both set; tools alone make a tool environment, and an "
+                          "environment gives its own tools (its tools()): keep one")
 
 
 def _validate_rewards(task: TaskConfig) -> None:
@@ -593,6 +624,34 @@ class LogConfig:
 
 
 @dataclass
+class EnvConfig:
+    """How multi-turn rollouts run (a task with ``task.env`` or ``task.tools``; unused otherwise)."""
+
+    max_turns: int = 4
+    """Policy turns per trajectory at most (1..127); an environment's own ``max_turns`` may be lower.
+    A trajectory still going at the limit ends there, counted in ``env/num_turn_limit``."""
+    tool_timeout_s: float = 10.0
+    """Per-call limit of a tool; a call past it answers ``{"error": ...}`` and counts in ``env/tool_timeouts``."""
+    step_timeout_s: float = 30.0
+    """Per-call limit of an environment step (its tool calls included); a step past it ends its
+    trajectory, counted in ``env/num_env_timeout``."""
+    max_workers: int = field(default=8, metadata=SAFE)
+    """Environment steps running at once (threads); results do not depend on it."""
+
+    def validate(self) -> None:
+        _check(1 <= self.max_turns <= 127, "env.max_turns", "1..127 (turns are stored as int8)", self.max_turns)
+        _check(0 < self.tool_timeout_s < math.inf, "env.tool_timeout_s", "a finite number of seconds > 0",
+               self.tool_timeout_s)
+        _check(0 < self.step_timeout_s < math.inf, "env.step_timeout_s", "a finite number of seconds > 0",
+               self.step_timeout_s)
+        _check(self.max_workers >= 1, "env.max_workers", ">= 1", self.max_workers)
+        if self.tool_timeout_s >= self.step_timeout_s:
+            raise ConfigError(f"env.tool_timeout_s={self.tool_timeout_s} is not below env.step_timeout_s="
+                              f"{self.step_timeout_s}: a hung tool would end its trajectory instead of answering "
+                              "with an error; lower env.tool_timeout_s or raise env.step_timeout_s")
+
+
+@dataclass
 class Config:
     preset: str = "mu-grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -605,6 +664,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     # Evaluation and logging never change what is trained: a resume may change the whole section.
     eval: EvalConfig = field(default_factory=EvalConfig, metadata=SAFE)
     log: LogConfig = field(default_factory=LogConfig, metadata=SAFE)

@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from mugrpo.evaluation.sets import resolve, split_specs
     from mugrpo.evaluation.metrics import macro_average
-    from mugrpo.evaluation.evaluate import generate_and_score, render_prompts, summarize_generations
+    from mugrpo.evaluation.evaluate import EnvEval, generate_and_score, render_prompts, summarize_generations
+    from mugrpo.rollout.envs.build import build_env_factory
     from mugrpo.models.loading import load_tokenizer
 
     source = resolve_model(args.model)
@@ -79,8 +80,10 @@ def run(args) -> int:
             prompts, items = render_prompts(tokenizer, es.items, es.task_cfg)
             total = len(items) * (int(settings.greedy) + settings.n)
             t0 = time.perf_counter()
+            env = EnvEval.build(build_env_factory(es.task_cfg, cfg.env, es.task), cfg, es.task_cfg,
+                                settings.max_new_tokens)
             gen = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
-                                     progress=_bar(total, es.name), keep_text=bool(args.samples))
+                                     progress=_bar(total, es.name), keep_text=bool(args.samples), env=env)
             metrics = summarize_generations(gen, settings)
             metrics["eval_s"] = time.perf_counter() - t0
             metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)

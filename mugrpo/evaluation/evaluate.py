@@ -10,6 +10,11 @@ off, and a fixed seed, so every evaluation of a run draws from the same random s
 differences between evaluations come from the weights. The engine's sampling never touches the
 trainer's RNG (engines fork it), so evaluating does not change the training run.
 
+With an environment (``task.env`` / ``task.tools``: :class:`EnvEval`), each response is a
+multi-turn trajectory (:mod:`mugrpo.rollout.multiturn`, the prompts rendered by the environment
+with its tools) and the task scores its final policy turn; the loop's counts are reported as
+``env/*`` (e.g. ``eval/env/tool_calls``).
+
 The metric math lives in :mod:`mugrpo.evaluation.metrics`; which items to evaluate in
 :mod:`mugrpo.evaluation.sets`. Scoring is the task's own (:meth:`mugrpo.rollout.tasks.Task.score_all`).
 """
@@ -26,6 +31,7 @@ import torch
 from mugrpo.training import distributed as dist
 from mugrpo.training import seeds
 from mugrpo.rollout.engines import SamplingConfig, weights_loaded
+from mugrpo.rollout.multiturn import LoopLimits, finalize_counts, loop_counts, roll_out_items
 from mugrpo.evaluation.metrics import summarize
 from mugrpo.rollout.tasks import Item, Task, limit_prompts, prompt_ids
 
@@ -61,6 +67,27 @@ class Generations:
     records: list[dict] = field(default_factory=list)
     """Per response (when asked for): item index, mode, text, score."""
     generate_s: float = 0.0
+    env_counts: dict[str, float] = field(default_factory=dict)
+    """With an environment: :func:`mugrpo.rollout.multiturn.loop_counts` summed over the modes."""
+
+
+@dataclass(frozen=True)
+class EnvEval:
+    """Evaluate through an environment: its factory, the loop's limits, the task config (prompts)."""
+
+    factory: Callable
+    limits: LoopLimits
+    task_cfg: object
+
+    @classmethod
+    def build(cls, factory, cfg, task_cfg, max_new_tokens: int) -> Optional["EnvEval"]:
+        """None without a factory; else the run config's ``env`` limits with ``max_new_tokens`` as the
+        trajectory's budget."""
+        if factory is None:
+            return None
+        e = cfg.env
+        return cls(factory, LoopLimits(max_turns=e.max_turns, max_response_tokens=max_new_tokens,
+                                       step_timeout_s=e.step_timeout_s, max_workers=e.max_workers), task_cfg)
 
 
 def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[int]], list[Item]]:
@@ -77,8 +104,9 @@ def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[in
 
 def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts: list[list[int]],
                        settings: EvalSettings, progress: Optional[Callable[[int], None]] = None,
-                       keep_text: bool = False) -> Generations:
-    """Greedy and/or n sampled responses per item, scored by ``task``."""
+                       keep_text: bool = False, env: Optional[EnvEval] = None) -> Generations:
+    """Greedy and/or n sampled responses per item, scored by ``task`` (``env``: multi-turn
+    trajectories; ``prompts`` are then the environment's, rendered here)."""
     out = Generations()
     if not items:
         out.greedy = [] if settings.greedy else None
@@ -93,10 +121,8 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
                                               top_k=0, max_new_tokens=settings.max_new_tokens, seed=settings.seed)))
     for mode, sampling in runs:
         t0 = time.perf_counter()
-        completions = engine.generate(prompts, sampling, progress=progress)
+        texts, lengths, truncated = _responses(engine, tokenizer, items, prompts, sampling, progress, env, out)
         out.generate_s += time.perf_counter() - t0
-        flat = [c for group in completions for c in group]
-        texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
         repeated = [item for item in items for _ in range(sampling.n)]
         scores, _ = task.score_eval(texts, repeated)
         per_item = scores.view(len(items), sampling.n).tolist()
@@ -104,12 +130,28 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
             out.greedy = [row[0] for row in per_item]
         else:
             out.samples = per_item
-        out.lengths += [len(c.token_ids) for c in flat]
-        out.truncated += [c.finish_reason != "stop" for c in flat]
+        out.lengths += lengths
+        out.truncated += truncated
         if keep_text:
             out.records += [{"item": i // sampling.n, "mode": mode, "text": text, "score": float(score)}
                             for i, (text, score) in enumerate(zip(texts, scores.tolist()))]
     return out
+
+
+def _responses(engine, tokenizer, items, prompts, sampling, progress, env: Optional[EnvEval], out: Generations
+               ) -> tuple[list[str], list[int], list[bool]]:
+    """(texts to score, response lengths, truncated flags), sampling.n per item, item-major."""
+    if env is None:
+        flat = [c for group in engine.generate(prompts, sampling, progress=progress) for c in group]
+        return ([tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
+                [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat])
+    _, _, trajs = roll_out_items(engine, env.factory, items, sampling, env.limits, group_size=sampling.n,
+                                 reset_seed=sampling.seed, tokenizer=tokenizer, task_cfg=env.task_cfg,
+                                 progress=progress)
+    for key, value in loop_counts(trajs).items():
+        out.env_counts[key] = out.env_counts.get(key, 0.0) + value
+    return ([t.final_text for t in trajs], [sum(1 for k in t.turns if k >= 0) for t in trajs],
+            [t.truncated for t in trajs])
 
 
 def summarize_generations(gen: Generations, settings: EvalSettings) -> dict[str, float]:
@@ -119,6 +161,8 @@ def summarize_generations(gen: Generations, settings: EvalSettings) -> dict[str,
     metrics["num_items"] = n_items
     metrics["response_len_mean"] = sum(gen.lengths) / len(gen.lengths) if gen.lengths else float("nan")
     metrics["truncated_frac"] = sum(gen.truncated) / len(gen.truncated) if gen.truncated else float("nan")
+    if gen.env_counts:  # multi-turn: how trajectories ended, turns, tool counts (env/*)
+        metrics.update(finalize_counts(gen.env_counts))
     return metrics
 
 
@@ -161,7 +205,11 @@ class TrainingEvaluator:
                 print(f"[mugrpo] warning: task {task.name!r} has no held-out items (task.eval_size); "
                       "evaluation during training is off", file=sys.stderr)
             self.enabled = False
-        self.prompts, self.items = render_prompts(self.tokenizer, items[world.rank::world.size], cfg.task)
+        self.env = EnvEval.build(getattr(trainer, "env_factory", None), cfg, cfg.task, self.settings.max_new_tokens)
+        if self.env is None:
+            self.prompts, self.items = render_prompts(self.tokenizer, items[world.rank::world.size], cfg.task)
+        else:  # the environment renders its own prompts (with its tools)
+            self.prompts, self.items = [], items[world.rank::world.size]
         self._stage_s = 0.0
         self.in_loop_s = 0.0
         """Seconds of this stage's evaluations run from inside its optimisation loop."""
@@ -201,7 +249,7 @@ class TrainingEvaluator:
         with weights_loaded(self.engine, dist.full_state_items(self.policy)):  # a collective under FSDP2
             bar = self.progress.bar(n_seq, f"eval @ update {state.update}", unit="seq")
             gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts, self.settings,
-                                     progress=lambda n: self.progress.advance(bar, n))
+                                     progress=lambda n: self.progress.advance(bar, n), env=self.env)
             self.progress.close(bar)
         gen = _gather(gen, self.settings, self.world)
         seconds = time.perf_counter() - t0
@@ -230,7 +278,8 @@ def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:
     def cat(values, dtype=torch.float64):
         return dist.gather_cat(torch.tensor(values, dtype=dtype))
 
-    out = Generations(generate_s=gen.generate_s)
+    # Every rank joins (a rank may have no items, hence no counts); {} when no rank evaluated through an env.
+    out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts))
     if gen.greedy is not None:
         out.greedy = cat(gen.greedy).tolist()
     if gen.samples is not None:

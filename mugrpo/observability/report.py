@@ -125,6 +125,7 @@ def write_report(runs: list[rd.Run], out: Path, levels=None, eval_levels=None, e
         "reward_levels": _reach_table(runs, rewards, levels),
         "eval_levels": _reach_table(runs, evals, eval_levels) if evals else [],
         "by_position": {r.label: rd.by_position(r, eval_key) for r in runs},
+        "environments": {r.label: e for r in runs if (e := rd.environment_summary(r)) is not None},
     }
     (out / "summary.json").write_text(json.dumps(json_safe(data), indent=1) + "\n")
     (out / "summary.md").write_text(_markdown(title, runs, data, [p.name for p in written]))
@@ -306,6 +307,7 @@ def _markdown(title: str, runs, data: dict, figures: list[str]) -> str:
     if eval_key:
         parts += _reach_section(eval_key, data["eval_levels"], runs)
     parts += _position_section(data["by_position"], eval_key)
+    parts += _environment_section(data["environments"])
     parts += ["## Figures\n"] + [f"![{Path(f).stem}]({f})\n" for f in figures]
     return "\n".join(parts)
 
@@ -322,6 +324,30 @@ def _position_section(by_run: dict, eval_key) -> list[str]:
         table = [[f"{r['first']}" if r["first"] == r["last"] else f"{r['first']}-{r['last']}",
                   f"{r['num_updates']} ({r['num_evals']})", *(_num(r[k], "{:.4g}") for k in keys)] for r in rows]
         parts += [f"### {label}\n", _table(["p", "n", *keys], table)]
+    return parts
+
+
+def _environment_section(envs: dict) -> list[str]:
+    """Multi-turn runs: how trajectories ended, turns, the environment-token share, tool counts, and
+    the veto by turn (docs/MULTITURN.md, docs/ALGORITHM.md section 6a). Nothing without an environment."""
+    if not envs:
+        return []
+    reasons = [k.removeprefix("env/num_") for k in rd.ENV_END_KEYS]
+    rows = [[label, _num(e["num_trajectories"], "{:.0f}"), _num(e["turns_mean"], "{:.2f}"),
+             _num(e["env_token_frac"]), *(_num(e["end_frac"][r]) for r in reasons)] for label, e in envs.items()]
+    parts = ["## Environments (multi-turn trajectories, all stages)\n",
+             _table(["run", "trajectories", "turns mean", "env token frac", *(f"{r} frac" for r in reasons)], rows)]
+    tool_keys = sorted({k for e in envs.values() for k in e["counts"] if k.startswith("env/tool_")})
+    if tool_keys:
+        rows = [[label, *(_num(e["counts"].get(k, math.nan), "{:.0f}") for k in tool_keys)]
+                for label, e in envs.items()]
+        parts += ["Tool calls (sums over stages):\n", _table(["run", *tool_keys], rows)]
+    turn_keys = sorted({k for e in envs.values() for k in e["veto_by_turn"]})
+    rows = [[label, *(_num(e["veto_by_turn"].get(k, math.nan), "{:.4g}") for k in turn_keys)]
+            for label, e in envs.items()]
+    parts += ["The veto by turn (mean over updates): the turn of a response's first trigger, and the vetoed share "
+              "of each turn's policy tokens (the last turn column: that turn and later ones).\n",
+              _table(["run", *turn_keys], rows)]
     return parts
 
 

@@ -43,6 +43,11 @@ POSITION_KEYS = ("loss/ratio_mean_neg", "loss/ratio_mean_pos", "loss/veto_token_
 """The per-update diagnostics tabulated against the update's position in its stage (:func:`by_position`)."""
 
 
+ENV_END_KEYS = ("env/num_done", "env/num_turn_limit", "env/num_length", "env/num_overflow", "env/num_env_error",
+                "env/num_env_timeout", "env/num_env_bad_output")
+"""How multi-turn trajectories ended (stage records of runs with an environment; docs/MULTITURN.md)."""
+
+
 class ReportError(UserError, ValueError):
     """A run directory the report cannot use; the message says why."""
 
@@ -242,3 +247,37 @@ def summary(run: Run, eval_key: Optional[str]) -> dict:
         "eval_last": finite_eval[-1] if finite_eval else math.nan,
         "eval_best": max(finite_eval) if finite_eval else math.nan,
     }
+
+
+def environment_summary(run: Run) -> Optional[dict]:
+    """A run's multi-turn totals over its stages, or None for a run without an environment.
+
+    Counts (``env/num_*``, tool counts such as ``env/tool_calls``) are summed over stages; the end
+    reasons also as fractions of all trajectories; ``turns_mean`` and ``env_token_frac`` (environment
+    tokens / all response tokens) are over all trajectories; ``veto_by_turn``: each
+    ``loss/veto_token_frac_turn{k}`` and ``loss/first_trigger_turn`` averaged over updates (NaN ones
+    left out).
+    """
+    stages = [s for s in run.stages if "env/num_done" in s]
+    if not stages:
+        return None
+    counts: dict[str, float] = {}
+    for s in stages:
+        for key, v in s.items():
+            if key.startswith("env/") and not key.endswith("_mean") and not math.isnan(value(s, key)):
+                counts[key] = counts.get(key, 0.0) + value(s, key)
+    num = sum(counts.get(k, 0.0) for k in ENV_END_KEYS)
+    tokens = counts.get("env/num_policy_tokens", 0.0) + counts.get("env/num_env_tokens", 0.0)
+    turns = sum(value(s, "env/turns_mean") * sum(value(s, k) for k in ENV_END_KEYS) for s in stages)
+    by_turn: dict[str, float] = {}
+    keys = sorted({k for u in run.updates for k in u if k.startswith("loss/veto_token_frac_turn")},
+                  key=lambda k: int(k.rsplit("turn", 1)[1]))
+    for key in ["loss/first_trigger_turn", *keys]:
+        values = [v for u in run.updates if not math.isnan(v := value(u, key))]
+        by_turn[key] = sum(values) / len(values) if values else math.nan
+    return {"num_trajectories": num, "counts": counts,
+            "end_frac": {k.removeprefix("env/num_"): counts.get(k, 0.0) / num if num else math.nan
+                         for k in ENV_END_KEYS},
+            "turns_mean": turns / num if num else math.nan,
+            "env_token_frac": counts.get("env/num_env_tokens", 0.0) / tokens if tokens else math.nan,
+            "veto_by_turn": by_turn}

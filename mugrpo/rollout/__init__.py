@@ -5,7 +5,7 @@ accepted values without importing torch (:class:`mugrpo.registry.Registry`; entr
 
 - :data:`TASK_KINDS` (``task.kind``): ``fn(task_cfg) -> (name, items, eval_items, correctness)``,
   the task's source (see :func:`mugrpo.rollout.tasks.build_task`);
-- :data:`ENVIRONMENTS`: multi-turn environments, empty for now (the environments work fills it);
+- :data:`ENVIRONMENTS` (``task.env``): multi-turn environments (:mod:`mugrpo.rollout.envs`);
 - the engines' registry is :data:`mugrpo.rollout.engines.ENGINES` (re-exported here).
 """
 
@@ -17,6 +17,10 @@ TASK_KINDS = Registry("task.kind", {
     "math": "mugrpo.rollout.tasks:math_source",
     "rows": "mugrpo.rollout.tasks:rows_source",
 })
-ENVIRONMENTS = Registry("environment", {})
+ENVIRONMENTS = Registry("task.env", {
+    "calculator": "mugrpo.rollout.envs.builtin:CalculatorEnvironment",
+    "multi_attempt": "mugrpo.rollout.envs.builtin:MultiAttemptEnvironment",
+    "skyrl_gym": "mugrpo.rollout.envs.builtin:SkyRLGymEnvironment",
+})
 
 __all__ = ["ENGINES", "ENVIRONMENTS", "TASK_KINDS"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mugrpo.training.data import MicroBatch, StageData, collate
+from mugrpo.training.data import MicroBatch, StageData, collate, response_turns
 
 
 def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bool) -> list[int]:
@@ -171,10 +171,13 @@ def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: to
             slot += 1
             start += n
     response_mask = torch.arange(R)[None, :] < torch.tensor(lengths)[:, None]
+    turns = response_turns(data, seqs, R)
+    if turns is not None:  # multi-turn: environment tokens are inputs, not loss tokens
+        response_mask &= turns >= 0
     return SharedBatch(input_ids=input_ids, attention_mask=block_mask(segment, mask_dtype), position_ids=position_ids,
                        response_ids=response_ids, response_mask=response_mask, behavior_logprobs=behavior,
                        advantages=data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer,
-                       predict_index=torch.tensor(predict, dtype=torch.long),
+                       turns=turns, predict_index=torch.tensor(predict, dtype=torch.long),
                        token_seq=torch.tensor(token_seq, dtype=torch.long),
                        token_pos=torch.tensor(token_pos, dtype=torch.long))
 

@@ -7,6 +7,15 @@ mid-stage never regenerates. Sequences are stored group by group: sequence s bel
 The stage folder's name comes from :class:`mugrpo.training.run_dir.RunDir`; the names of the shard
 and text files in it are defined here and nowhere else (:func:`shard_path`, :func:`text_path`).
 
+Multi-turn trajectories (:mod:`mugrpo.rollout.multiturn`) store their whole response, policy and
+environment tokens, as one sequence plus an int8 ``turns`` tensor: k >= 0 for a token of policy
+turn k, -1 for an environment token. Environment tokens stay in the sequence (the policy attends
+to them) but leave ``MicroBatch.response_mask``, so the loss, its normaliser, KL, entropy, the veto
+and every diagnostic see policy tokens only. Single-turn data has no ``turns`` (all turn 0).
+
+Format versions (safetensors metadata ``format_version``): 1 (and files without a version) have no
+``turns``; 2 may have it. A file of a later version is refused with a message.
+
 Shapes: B sequences in a micro-batch, P padded prompt length, R padded response length.
 """
 
@@ -24,7 +33,9 @@ from mugrpo.training import seeds
 from mugrpo.errors import UserError
 from mugrpo.training.run_dir import RunDir
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+ENV_TURN = -1
+"""The ``turns`` value of an environment token."""
 SHARDS_FILE = "shards.json"
 """Written by rank 0 once every rank's shard is on disk: the stage is complete."""
 
@@ -72,6 +83,17 @@ class StageData:
     trainer_logprobs: list[list[float]] | None = field(default=None, kw_only=True)
     """One per sequence, only with ``loss.behavior_logprobs=trainer``: the behaviour policy's
     log-probs recomputed by the trainer at stage start (:mod:`mugrpo.training.tis`); None otherwise."""
+    turns: list[list[int]] | None = field(default=None, kw_only=True)
+    """One per sequence, one entry per response token: policy turn k >= 0 or :data:`ENV_TURN`;
+    None = single-turn data (every token of turn 0)."""
+
+    def turns_of(self, s: int) -> list[int]:
+        """Sequence ``s``'s per-token turn index (all 0 for single-turn data)."""
+        return [0] * len(self.responses[s]) if self.turns is None else self.turns[s]
+
+    def num_policy_tokens(self, s: int) -> int:
+        """Tokens of sequence ``s`` the policy sampled: what the loss normaliser counts."""
+        return len(self.responses[s]) if self.turns is None else sum(1 for k in self.turns[s] if k >= 0)
 
     @property
     def num_groups(self) -> int:
@@ -83,9 +105,11 @@ class StageData:
         seqs = [g * G + j for g in groups for j in range(G)]
         idx = torch.tensor(seqs, dtype=torch.long)
         trainer = None if self.trainer_logprobs is None else [self.trainer_logprobs[s] for s in seqs]
+        turns = None if self.turns is None else [self.turns[s] for s in seqs]
         return StageData([self.prompts[g] for g in groups], [self.responses[s] for s in seqs],
                          [self.behavior_logprobs[s] for s in seqs], self.rewards[idx], self.advantages[idx],
-                         self.finished[idx], [self.item_indices[g] for g in groups], G, trainer_logprobs=trainer)
+                         self.finished[idx], [self.item_indices[g] for g in groups], G, trainer_logprobs=trainer,
+                         turns=turns)
 
     def save(self, path: Path) -> None:
         """Atomic write (temp file, fsync, rename)."""
@@ -107,6 +131,8 @@ class StageData:
         }
         if self.trainer_logprobs is not None:
             tensors["trainer_logprobs"] = flat(self.trainer_logprobs, torch.float32)[0]
+        if self.turns is not None:
+            tensors["turns"] = flat(self.turns, torch.int8)[0]
         meta = {"group_size": str(self.group_size), "format_version": str(FORMAT_VERSION)}
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
@@ -121,14 +147,21 @@ class StageData:
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
+            version = int(meta.get("format_version", 1))
             t = load_file(str(path))
-            trainer = t.get("trainer_logprobs")
-            return cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], t["response_offsets"]),
-                       unflat(t["behavior_logprobs"], t["response_offsets"]), t["rewards"], t["advantages"],
+            trainer, turns = t.get("trainer_logprobs"), t.get("turns")
+            offsets = t["response_offsets"]
+            data = cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], offsets),
+                       unflat(t["behavior_logprobs"], offsets), t["rewards"], t["advantages"],
                        t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]),
-                       trainer_logprobs=None if trainer is None else unflat(trainer, t["response_offsets"]))
+                       trainer_logprobs=None if trainer is None else unflat(trainer, offsets),
+                       turns=None if turns is None else unflat(turns, offsets))
         except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
             raise StageDataError(path, exc) from exc
+        if version > FORMAT_VERSION:
+            raise StageDataError(path, ValueError(
+                f"format_version {version} was written by a newer mugrpo (this one reads up to {FORMAT_VERSION})"))
+        return data
 
 
 def atomic_write(path: Path, write) -> None:
@@ -181,6 +214,7 @@ class MicroBatch:
     behavior_logprobs: torch.Tensor  # [B, R]
     advantages: torch.Tensor  # [B]
     trainer_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R], with StageData's
+    turns: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R] int8 (padding 0), with StageData's
 
     @property
     def response_len(self) -> int:
@@ -195,7 +229,8 @@ def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
     """Left-pad prompts and right-pad responses so every response starts at column P.
 
     Position ids count real tokens only (cumsum of the mask - 1), as ``generate`` does for a
-    left-padded batch, so trainer and engine see identical positions.
+    left-padded batch, so trainer and engine see identical positions. ``response_mask`` is the
+    response's policy tokens (environment tokens of multi-turn data are in the inputs, not the mask).
     """
     G = data.group_size
     prompts = [data.prompts[s // G] for s in seqs]
@@ -206,6 +241,7 @@ def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
     attention = torch.zeros((B, P + R), dtype=torch.long)
     behavior = torch.zeros((B, R), dtype=torch.float32)
     trainer = None if data.trainer_logprobs is None else torch.zeros((B, R), dtype=torch.float32)
+    turns = response_turns(data, seqs, R)
     for row, (p, r, s) in enumerate(zip(prompts, responses, seqs)):
         input_ids[row, P - len(p):P] = torch.tensor(p, dtype=torch.long)
         input_ids[row, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
@@ -215,8 +251,20 @@ def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
             trainer[row, :len(r)] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
     position_ids = (attention.cumsum(1) - 1).clamp(min=0)
     response_mask = attention[:, P:].bool()
+    if turns is not None:
+        response_mask &= turns >= 0
     return MicroBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask, behavior,
-                      data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer)
+                      data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer, turns=turns)
+
+
+def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | None:
+    """[len(seqs), R] int8 turn index of each response token (padding 0), or None for single-turn data."""
+    if data.turns is None:
+        return None
+    turns = torch.zeros((len(seqs), R), dtype=torch.int8)
+    for row, s in enumerate(seqs):
+        turns[row, :len(data.turns[s])] = torch.tensor(data.turns[s], dtype=torch.int8)
+    return turns
 
 
 def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:
@@ -230,5 +278,7 @@ def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:
             "response": tokenizer.decode(response, skip_special_tokens=True),
             "reward": float(data.rewards[s]), "advantage": round(float(data.advantages[s]), 6),
             "finished": bool(data.finished[s]), "num_tokens": len(response),
+            **({} if data.turns is None else {"num_policy_tokens": data.num_policy_tokens(s),
+                                              "num_turns": 1 + max(data.turns[s], default=0)}),
         }))
     atomic_write_text(path, "\n".join(lines) + "\n")

@@ -134,6 +134,18 @@ def gather_cat(t: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def sum_named_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Sum named numbers over ranks; the ranks may hold different keys (a missing key counts 0),
+    e.g. environment metrics only some ranks' trajectories reported."""
+    if not _active():
+        return dict(values)
+    parts = [None] * tdist.get_world_size()
+    tdist.all_gather_object(parts, sorted(values))
+    keys = sorted(set().union(*parts))
+    flat = sum_over_ranks(torch.tensor([float(values.get(k, 0.0)) for k in keys], dtype=torch.float64))
+    return dict(zip(keys, flat.tolist()))
+
+
 def sum_metrics(summed: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """All-reduce every [numerator, denominator] metric pair in one collective."""
     if not _active():
@@ -198,7 +210,9 @@ def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
         rewards=torch.cat([d.rewards for d in parts]), advantages=torch.cat([d.advantages for d in parts]),
         finished=torch.cat([d.finished for d in parts]), item_indices=[i for d in parts for i in d.item_indices],
         group_size=parts[0].group_size, shard_sizes=[d.num_groups for d in parts],
-        trainer_logprobs=None if parts[0].trainer_logprobs is None else [t for d in parts for t in d.trainer_logprobs])
+        trainer_logprobs=None if parts[0].trainer_logprobs is None else [t for d in parts for t in d.trainer_logprobs],
+        turns=None if all(d.turns is None for d in parts)
+        else [d.turns_of(s) for d in parts for s in range(len(d.responses))])
 
 
 def rank_update_groups(data: StageData, prompts_per_rank: int, update_in_stage: int, seed: int, stage: int

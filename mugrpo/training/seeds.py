@@ -45,3 +45,9 @@ def rollout_round_sampling(seed: int, stage: int, rank: int, round_index: int) -
 def eval_sampling(seed: int) -> int:
     """Evaluation's sampling: the same at every evaluation, so differences come from the weights."""
     return derive(seed, "eval-sampling")
+
+
+def env_reset(seed: int, stage: int, rank: int) -> int:
+    """The seeds environments are reset with in a stage on one rank (each member of each group
+    derives its own from it: :func:`mugrpo.rollout.envs.start.reset_seed`)."""
+    return derive(seed, "env-reset", stage, rank)

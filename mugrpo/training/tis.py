@@ -69,8 +69,9 @@ def recompute_trainer_logprobs(policy, data: StageData, step: StepSettings, devi
         if i >= real:
             continue
         logprobs = logprobs.float().cpu()
-        for row, s in enumerate(order):
-            trainer[s] = logprobs[row, :len(data.responses[s])].tolist()
+        for row, s in enumerate(order):  # environment tokens (multi-turn) have no behaviour log-prob: 0, as stored
+            trainer[s] = [lp if k >= 0 else 0.0
+                          for lp, k in zip(logprobs[row, :len(data.responses[s])].tolist(), data.turns_of(s))]
     data.trainer_logprobs = trainer
     return data
 
@@ -85,7 +86,8 @@ def stage_metrics(data: StageData, step: StepSettings, world, stage_dir) -> dict
         raise StageDataError(shard_path(stage_dir, world.rank), ValueError(
             "loss.behavior_logprobs=trainer, but this stage's data holds no trainer log-probs"))
     seqs = recomputed_seqs(data, step)
-    flat = lambda lists: torch.tensor([v for s in seqs for v in lists[s]], dtype=torch.float32)  # noqa: E731
+    flat = lambda lists: torch.tensor([v for s in seqs for v, k in zip(lists[s], data.turns_of(s)) if k >= 0],  # noqa: E731
+                                      dtype=torch.float32)  # policy tokens only
     sums = dist.sum_over_ranks(mismatch_sums(flat(data.trainer_logprobs), flat(data.behavior_logprobs),
                                              loss.tis_cap)).tolist()
     n = max(sums[4], 1.0)

@@ -37,14 +37,16 @@ from mugrpo.algo.advantages import group_advantages, zero_variance_groups
 from mugrpo.algo.losses import LossSettings, finalize_metrics, policy_loss
 from mugrpo.config import Config
 from mugrpo.config.plan import Plan, format_plan, make_plan
-from mugrpo.errors import UserError
+from mugrpo.errors import ConfigError, UserError
 from mugrpo.evaluation.evaluate import TrainingEvaluator
 from mugrpo.models import lora
 from mugrpo.models.loading import check_context, load_policy, load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.engines import SamplingConfig, weights_loaded
+from mugrpo.rollout.multiturn import LoopLimits, finalize_counts
 from mugrpo.rollout.rewards import per_reward_counts, per_reward_metrics
+from mugrpo.rollout.envs.build import build_env_factory
 from mugrpo.rollout.tasks import Task, build_task, limit_prompts, prompt_ids
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -54,11 +56,16 @@ from mugrpo.training import tis
 from mugrpo.training.batching import micro_batches
 from mugrpo.training.checkpoint import RunState
 from mugrpo.training.data import StageData, write_stage_text
+from mugrpo.training.env_stage import EnvStage, generate_env_stage
 from mugrpo.training.faults import maybe_die, should_poison
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
 from mugrpo.training.hardware import Resolved, build_engine, detect, resolve
 from mugrpo.training.run_dir import RunDir
 from mugrpo.training.update import StepSettings, normaliser, ratio_inputs, with_fillers
+
+
+MAX_TURN_BUCKETS = 8
+"""At most this many ``loss/veto_token_frac_turn{k}`` keys per update (the last: that turn and later)."""
 
 
 class TrainingError(UserError, RuntimeError):
@@ -149,6 +156,9 @@ class Trainer:
     engine: Any = None
     task: Task | None = None
     tokenizer: Any = None
+    env_factory: Any = None
+    """Makes one environment per trajectory when the task has one (``task.env`` / ``task.tools``):
+    the stage is then generated turn by turn (:mod:`mugrpo.training.env_stage`)."""
     run_dir: RunDir | None = None
     state: RunState = field(default_factory=RunState)
     logger: Any = field(default_factory=NullLogger)
@@ -183,9 +193,11 @@ class Trainer:
             ref_model = dist.prepare_frozen(ref_model, cfg, world)
         optimizer, scheduler = build_optimizer(policy, cfg, plan)
         task = task or build_task(cfg.task)
+        env_factory = build_env_factory(cfg.task, cfg.env, task)
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
         return cls(cfg, plan, world, policy, optimizer, scheduler, device=device, resolved=resolved,
-                   ref_model=ref_model, engine=engine, task=task, tokenizer=tokenizer, run_dir=run_dir)
+                   ref_model=ref_model, engine=engine, task=task, tokenizer=tokenizer, run_dir=run_dir,
+                   env_factory=env_factory)
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) into the policy, optimizer, scheduler and state."""
@@ -307,10 +319,13 @@ class Trainer:
                 data, record, dynamic_metrics = self._generate_rounds(stage_dir, stopper)
             else:
                 drawn = self._draw(0, self.plan.prompts_per_stage)
-                data, record = self._generate_scored(0, *self._tokenise(drawn), len(drawn), stopper)
+                # An environment renders (and length-checks) its own prompts.
+                prompts = self._tokenise(drawn) if self.env_factory is None else (drawn, [])
+                data, record = self._generate_scored(0, *prompts, len(drawn), stopper)
                 dynamic_metrics = {}
         t_gen = time.perf_counter()
         data, stats = self._filter(data)
+        env = record.get("env", {})
         t_score = time.perf_counter()
         if self.step.loss.behavior_logprobs == "trainer":
             data = tis.recompute_trainer_logprobs(self.policy, data, self.step, dist.train_device(self.world))
@@ -318,7 +333,7 @@ class Trainer:
             stats["perf/recompute_s"] = time.perf_counter() - t_score
         failures = self._failure_metrics(record)
         if self.world.is_main:  # before the shards: a stage counts as generated once they are all written
-            self.run_dir.write_stage_metrics(stage_dir, {**failures, **dynamic_metrics,
+            self.run_dir.write_stage_metrics(stage_dir, {**failures, **env, **dynamic_metrics,
                                                          "stage/num_groups_trained": stats["stage/num_groups_trained"]})
         dist.save_stage_shard(data, stage_dir, self.world)
         rounds.remove_rounds(stage_dir)
@@ -328,7 +343,7 @@ class Trainer:
         stats.update({"perf/sync_s": t_sync - t0, "perf/generate_s": record["generate_s"],
                       "perf/score_s": record["score_s"] + t_score - t_gen,
                       "perf/generate_tok_s": record["num_new_tokens"] / max(record["generate_s"], 1e-9),
-                      **failures, **dynamic_metrics})
+                      **failures, **env, **dynamic_metrics})
         return data, stats
 
     def _generate_scored(self, round_index: int, indices: list[int], prompts: list, num_drawn: int, stopper
@@ -343,7 +358,7 @@ class Trainer:
         sampling = SamplingConfig(n=G, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                   max_new_tokens=r.max_new_tokens, seed=seed)
         label = f"stage {state.stage} generate" + (f" (round {round_index})" if r.dynamic_sampling else "")
-        bar = self.progress.bar(len(prompts) * G, label, unit="seq")
+        bar = self.progress.bar(len(indices) * G, label, unit="seq")
 
         def on_batch(n: int) -> None:
             self.progress.advance(bar, n)
@@ -351,27 +366,58 @@ class Trainer:
             if stopper is not None and stopper.requested:  # the last checkpoint is this stage's start
                 raise ckpt.Interrupted(self.run_dir.path)
 
-        completions = self.engine.generate(prompts, sampling, progress=on_batch)
+        env_stage = None
+        if self.env_factory is not None:  # multi-turn: the trajectories of G environments per item
+            env_stage = self._generate_trajectories(indices, sampling, on_batch)
+            indices, prompts = env_stage.indices, env_stage.prompts
+        else:
+            completions = self.engine.generate(prompts, sampling, progress=on_batch)
+            flat = [c for group in completions for c in group]
         self.progress.close(bar)
         t_gen = time.perf_counter()
-        flat = [c for group in completions for c in group]
-        texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat]
+        # A trajectory is scored on its final policy turn, plus its environment reward.
+        texts = env_stage.texts if env_stage else [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                                                   for c in flat]
         rewards, score_stats = task.score_all(texts, [task.items[i] for i in indices for _ in range(G)])
+        if env_stage:
+            rewards = rewards + env_stage.env_rewards
         rewards = rewards.view(len(prompts), G)
         advantages, _ = group_advantages(rewards, std_scale=self.cfg.loss.adv_std_scale, eps=self.cfg.loss.adv_eps)
-        data = StageData(prompts, [c.token_ids for c in flat], [c.behavior_logprobs for c in flat],
-                         rewards.flatten(), advantages.flatten(),
-                         torch.tensor([c.finish_reason == "stop" for c in flat]), indices, G)
+        if env_stage:
+            data = StageData(prompts, env_stage.responses, env_stage.behavior_logprobs, rewards.flatten(),
+                             advantages.flatten(), env_stage.finished, indices, G, turns=env_stage.turns)
+            num_new = sum(data.num_policy_tokens(s) for s in range(len(data.responses)))
+        else:
+            data = StageData(prompts, [c.token_ids for c in flat], [c.behavior_logprobs for c in flat],
+                             rewards.flatten(), advantages.flatten(),
+                             torch.tensor([c.finish_reason == "stop" for c in flat]), indices, G)
+            num_new = sum(len(c.token_ids) for c in flat)
         counts = [score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
                   score_stats.num_scored, *per_reward_counts(score_stats, self._reward_names())]
-        return data, {"counts": [float(c) for c in counts], "num_prompts": len(prompts), "num_drawn": num_drawn,
-                      "num_new_tokens": sum(len(c.token_ids) for c in flat), "generate_s": t_gen - t0,
-                      "score_s": time.perf_counter() - t_gen, "first_error": score_stats.first_error}
+        record = {"counts": [float(c) for c in counts], "num_prompts": len(prompts), "num_drawn": num_drawn,
+                  "num_new_tokens": num_new, "generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen,
+                  "first_error": score_stats.first_error}
+        if env_stage:  # summed over ranks here: an environment stage is generated in one round
+            record["env"] = finalize_counts(dist.sum_named_over_ranks(env_stage.counts))
+        return data, record
+
+    def _generate_trajectories(self, indices: list[int], sampling: SamplingConfig, on_batch) -> EnvStage:
+        """The stage's multi-turn trajectories: G environments per item, turn by turn."""
+        cfg = self.cfg
+        limits = LoopLimits(max_turns=cfg.env.max_turns, max_response_tokens=cfg.rollout.max_new_tokens,
+                            max_context=getattr(self.policy.config, "max_position_embeddings", None),
+                            step_timeout_s=cfg.env.step_timeout_s, max_workers=cfg.env.max_workers)
+        reset_seed = seeds.env_reset(cfg.train.seed, self.state.stage, self.world.rank)
+        return generate_env_stage(self.engine, self.env_factory, self.task, self.tokenizer, cfg.task, indices,
+                                  sampling, limits, reset_seed, progress=on_batch)
 
     def _generate_rounds(self, stage_dir: Path, stopper) -> tuple[StageData, dict, dict]:
         """The stage's groups generated in rounds, the informative ones kept (dynamic sampling,
         :mod:`mugrpo.training.dynamic`, :mod:`mugrpo.training.rounds`); also its record and metrics."""
         cfg, plan, state, world = self.cfg, self.plan, self.state, self.world
+        if self.env_factory is not None:  # an environment given from Python, after the config's own check
+            raise ConfigError("rollout.dynamic_sampling=true with an environment is not supported: a multi-turn "
+                              "stage is generated in one round. Set rollout.dynamic_sampling=false")
         planned = stage_length(plan.updates_per_stage, plan.total_updates, state.update - state.update_in_stage)
         needed = dynamic.groups_needed(plan.prompts_per_stage, plan.prompts_per_update, planned) // world.size
 
@@ -470,7 +516,7 @@ class Trainer:
                                      lambda: [b.to(device) for b in micro_batches(data, seqs[:1], **layout)])
         denominator = normaliser(self.policy, data, seqs, trained, batches, real, step)
         denominator = dist.sum_over_ranks(denominator.to(device)).clamp(min=1)
-        summed = _zero_metrics(step.loss, with_ref=self.ref_model is not None)
+        summed = _zero_metrics(step.loss, with_ref=self.ref_model is not None, num_turns=self.num_turn_buckets)
         summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
         poison = should_poison("loss")  # test hook: makes this update's loss NaN
         for i, mb in enumerate(batches):
@@ -503,7 +549,13 @@ class Trainer:
                 ref_logprobs, _ = response_logprobs(self.ref_model, mb, step.temperature, step.autocast, False, False)
         old_logprobs, is_weights = ratio_inputs(mb, step.loss)
         return policy_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask, step.loss,
-                           denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights)
+                           denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
+                           turns=mb.turns, num_turns=self.num_turn_buckets)
+
+    @property
+    def num_turn_buckets(self) -> int:
+        """By-turn veto diagnostics: turns 0 .. K - 2 each, then K - 1 and later; 0 without an environment."""
+        return 0 if self.env_factory is None else min(self.cfg.env.max_turns, MAX_TURN_BUCKETS)
 
     def _optimizer_step(self, summed: dict) -> dict:
         """Clip, step (or skip a non-finite update), and finalise the update's metrics."""
@@ -538,7 +590,9 @@ class Trainer:
 def _stage_stats(data: StageData, world) -> dict:
     lengths = torch.tensor([len(r) for r in data.responses], dtype=torch.float32)
     rewards = dist.gather_cat(data.rewards)
-    return {
+    multi = {} if data.turns is None else {"stage/policy_len_mean": dist.mean_over_ranks(
+        sum(data.num_policy_tokens(s) for s in range(len(data.responses))), lengths.numel())}
+    return {**multi,
         "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False)),
         "stage/response_len_mean": dist.mean_over_ranks(lengths.sum(), lengths.numel()),
         "stage/truncated_frac": dist.mean_over_ranks((~data.finished).float().sum(), lengths.numel()),
@@ -548,7 +602,7 @@ def _stage_stats(data: StageData, world) -> dict:
     }
 
 
-def _zero_metrics(settings: LossSettings, with_ref: bool) -> dict[str, torch.Tensor]:
+def _zero_metrics(settings: LossSettings, with_ref: bool, num_turns: int = 0) -> dict[str, torch.Tensor]:
     """Every metric key of :func:`policy_loss`, as zero [numerator, denominator] pairs.
 
     Every rank starts from the same keys, whether or not it has sequences to train, so the
@@ -556,7 +610,8 @@ def _zero_metrics(settings: LossSettings, with_ref: bool) -> dict[str, torch.Ten
     """
     one = torch.zeros(1, 1)
     _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), settings, denominator=1.0,
-                             ref_logprobs=one if with_ref else None, entropy=one)
+                             ref_logprobs=one if with_ref else None, entropy=one,
+                             turns=one.to(torch.int8) if num_turns else None, num_turns=num_turns)
     return {key: torch.zeros_like(value) for key, value in metrics.items()}
 
 

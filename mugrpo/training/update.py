@@ -90,7 +90,8 @@ def normaliser(policy, data: StageData, seqs: list[int], trained: list[int], bat
                step: StepSettings) -> torch.Tensor:
     """This rank's share of the update's loss normaliser, counted over ALL of ``seqs``, skipped ones included.
 
-    The aggregation says what it counts (tokens or sequences). With ``loss.veto_normalizer=post_veto``
+    The aggregation says what it counts (tokens or sequences); tokens are POLICY tokens (the
+    environment tokens of multi-turn data are inputs, never loss tokens). With ``loss.veto_normalizer=post_veto``
     the vetoed tokens (or wholly vetoed sequences) leave the count, which takes one extra no-grad
     forward of the trained micro-batches (the veto needs the current log-probs). A skipped sequence
     has A = 0, which the veto never touches, so it counts in full. ``batches`` beyond the first
@@ -98,10 +99,10 @@ def normaliser(policy, data: StageData, seqs: list[int], trained: list[int], bat
     """
     aggregation = AGGREGATORS.get(step.loss.aggregation)
     if not step.loss.post_veto:
-        lengths = torch.tensor([len(data.responses[s]) for s in seqs], dtype=torch.long)
+        lengths = torch.tensor([data.num_policy_tokens(s) for s in seqs], dtype=torch.long)
         return torch.tensor(float(aggregation.count(lengths, post_veto=False)))
     trained_set = set(trained)
-    skipped = torch.tensor([len(data.responses[s]) for s in seqs if s not in trained_set], dtype=torch.long)
+    skipped = torch.tensor([data.num_policy_tokens(s) for s in seqs if s not in trained_set], dtype=torch.long)
     kept = float(aggregation.count(skipped, post_veto=True))
     return torch.tensor(kept + kept_after_veto(policy, batches, real, step))
 

@@ -32,6 +32,9 @@ class SamplingConfig:
     """0 disables top-k."""
     max_new_tokens: int = 64
     seed: int = 0
+    stop: tuple[str, ...] = ()
+    """Strings that end a response early (multi-turn: e.g. the end of a tool call). The token that
+    completes one is kept, nothing after it; empty = only EOS and max_new_tokens end a response."""
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Completion:
     behavior_logprobs: list[float]
     """One per token of ``token_ids``."""
     finish_reason: str
-    """"stop" (EOS or a stop token) or "length" (hit max_new_tokens)."""
+    """"stop" (EOS, or the token completing a ``SamplingConfig.stop`` string) or "length" (hit max_new_tokens)."""
 
 
 ProgressFn = Callable[[int], None]
@@ -53,8 +56,12 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights with the policy's (HF parameter names); may be streamed."""
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 progress: Optional[ProgressFn] = None) -> list[list[Completion]]:
-        """Sample ``sampling.n`` completions for each tokenised prompt; result[i][j] is prompt i's j-th."""
+                 progress: Optional[ProgressFn] = None,
+                 max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
+        """Sample ``sampling.n`` completions for each tokenised prompt; result[i][j] is prompt i's j-th.
+
+        A prompt is any token ids, e.g. a multi-turn trajectory so far. ``max_new_tokens`` (one per
+        prompt, each at most ``sampling.max_new_tokens``) lowers the limit per prompt."""
 
     def sleep(self) -> None:
         """Release what memory the engine can (KV cache, weights on GPU) until ``wake``."""

@@ -16,6 +16,14 @@ left-padded; position ids are cumsum(mask) - 1 clamped at 0 both in the prefill 
 ``generate`` (which derives them from the attention mask), as in the trainer, so the trainer's
 log-probs match the engine's to float rounding.
 
+Stop strings (``SamplingConfig.stop``, multi-turn): a stopping criterion decodes the tail of each
+row after every step and stops the row at the first token whose text completes a stop string
+(the rule vLLM applies, see :mod:`mugrpo.rollout.engines.vllm`); the row is cut right after that
+token, so what ``generate`` pads after it is never kept. Without stop strings nothing changes.
+Multi-turn continuation is a plain call with the trajectory so far as the prompt (n = 1): one
+prefill of the active batch per turn; the KV cache is not carried between turns (the left padding
+changes as trajectories grow), vLLM's prefix cache covers that for the vLLM engine.
+
 Weights: ``load_weights`` makes the engine's parameters share storage with the incoming tensors
 when dtype, device and shape agree (an fp32 engine beside an fp32 policy holds no second copy),
 and copies otherwise. The shared parameters then follow the optimizer's in-place updates; that is
@@ -27,12 +35,14 @@ This module knows nothing about rewards, advantages or the loss. Written against
 
 from __future__ import annotations
 
+import copy
 import gc
 from typing import Iterable, Optional
 
 import torch
 from transformers import (AutoModelForCausalLM, DynamicCache, GenerationConfig, LogitsProcessor,
-                          LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+                          LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper,
+                          TopKLogitsWarper, TopPLogitsWarper)
 
 from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
 from mugrpo.training.seeds import derive
@@ -67,6 +77,31 @@ class SampledTokenLogprobs(LogitsProcessor):
             self.steps.append(self._pending.gather(-1, new_tokens[:, -1:]).squeeze(-1))
         self._pending = None
         return torch.stack(self.steps[:num_steps], dim=1)
+
+
+class StopStrings(StoppingCriteria):
+    """Stops a row at the first new token whose decoded text completes one of ``stop``.
+
+    Only a tail of ``window`` tokens is decoded each step: a stop string of c characters completed
+    by the last token lies within its last c + (text of the last token) characters, and every
+    non-special token decodes to at least one character. ``ends[row]`` is the number of new tokens
+    to keep (the completing token included), or None while the row runs on.
+    """
+
+    def __init__(self, tokenizer, stop: tuple[str, ...], width: int, batch: int):
+        self.tokenizer, self.stop, self.width = tokenizer, stop, width
+        self.window = max(len(s) for s in stop) + 4
+        self.ends: list[int | None] = [None] * batch
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        num_new = input_ids.shape[1] - self.width
+        for row, end in enumerate(self.ends):
+            if end is None:
+                tail = input_ids[row, max(self.width, input_ids.shape[1] - self.window):].tolist()
+                text = self.tokenizer.decode(tail, skip_special_tokens=True)  # vLLM's detokenizer default
+                if any(s in text for s in self.stop):
+                    self.ends[row] = num_new
+        return torch.tensor([end is not None for end in self.ends], device=input_ids.device)
 
 
 def sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
@@ -146,7 +181,8 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 progress: Optional[ProgressFn] = None) -> list[list[Completion]]:
+                 progress: Optional[ProgressFn] = None,
+                 max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
         greedy = sampling.temperature == 0
         # Neutral sampling values: generate then adds no warper of its own (ours run in
         # logits_processor, before the recorder). None for greedy, where generate warps nothing.
@@ -164,14 +200,18 @@ class HFEngine:
             for chunk_idx, start in enumerate(range(0, len(prompts), prompts_per_call)):
                 torch.manual_seed(derive(sampling.seed, "hf-generate-call", chunk_idx))
                 chunk = prompts[start:start + prompts_per_call]
-                out.extend(self._generate_chunk(chunk, sampling, gen_cfg))
+                limits = None if max_new_tokens is None else max_new_tokens[start:start + prompts_per_call]
+                out.extend(self._generate_chunk(chunk, sampling, gen_cfg, limits))
                 if progress is not None:
                     progress(len(chunk) * sampling.n)
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingConfig,
-                        gen_cfg: GenerationConfig) -> list[list[Completion]]:
-        """``sampling.n`` completions for each of ``prompts``, in one generate call."""
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingConfig, gen_cfg: GenerationConfig,
+                        limits: Optional[list[int]] = None) -> list[list[Completion]]:
+        """``sampling.n`` completions for each of ``prompts``, in one generate call.
+
+        ``limits`` (per prompt): the call runs to the largest and each row is cut at its own; the
+        kept tokens are exactly the sampled ones (a cut only drops the continuation)."""
         n = sampling.n
         input_ids, attention = left_pad(prompts, self.pad_id)
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -182,10 +222,18 @@ class HFEngine:
         input_ids, attention = input_ids.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)  # [B, W]
         recorder = SampledTokenLogprobs()
         processors = LogitsProcessorList([*sampling_warpers(sampling), recorder])
+        if limits is not None:
+            gen_cfg = copy.deepcopy(gen_cfg)
+            gen_cfg.max_new_tokens = max(limits)
+            limits = [limit for limit in limits for _ in range(n)]
+        stops = StopStrings(self.tokenizer, sampling.stop, width, input_ids.shape[0]) if sampling.stop else None
+        if stops is not None:
+            extra["stopping_criteria"] = StoppingCriteriaList([stops])
         sequences = self.model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg,
                                         logits_processor=processors, **extra)
         new_tokens = sequences[:, width:]
-        completions = self._completions(new_tokens.cpu(), recorder.finish(new_tokens).cpu())
+        completions = self._completions(new_tokens.cpu(), recorder.finish(new_tokens).cpu(),
+                                        None if stops is None else stops.ends, limits)
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def _shared_prompt_cache(self, input_ids: torch.Tensor, attention: torch.Tensor, n: int) -> DynamicCache:
@@ -201,18 +249,19 @@ class HFEngine:
         cache.batch_repeat_interleave(n)
         return cache
 
-    def _completions(self, new_tokens: torch.Tensor, logprobs: torch.Tensor) -> list[Completion]:
-        """Cut each row [T] at its first EOS (kept), or keep all of it when it hit max_new_tokens."""
+    def _completions(self, new_tokens: torch.Tensor, logprobs: torch.Tensor, stop_ends: list | None = None,
+                     limits: list[int] | None = None) -> list[Completion]:
+        """Cut each row [T] at its first EOS or stop string (the token kept), else at its limit
+        (all of it by default: it hit max_new_tokens)."""
         eos = torch.tensor(self.eos)
         completions = []
-        for tokens, row_logprobs in zip(new_tokens, logprobs):
+        for row, (tokens, row_logprobs) in enumerate(zip(new_tokens, logprobs)):
             is_eos = torch.isin(tokens, eos)
-            if is_eos.any():
-                end = int(is_eos.nonzero()[0, 0]) + 1
-                reason = "stop"
-            else:
-                end = tokens.numel()
-                reason = "length"
+            ends = [int(is_eos.nonzero()[0, 0]) + 1] if is_eos.any() else []
+            if stop_ends is not None and stop_ends[row] is not None:
+                ends.append(stop_ends[row])
+            limit = tokens.numel() if limits is None else min(limits[row], tokens.numel())
+            end, reason = (min(ends), "stop") if ends and min(ends) <= limit else (limit, "length")
             completions.append(Completion(tokens[:end].tolist(), row_logprobs[:end].tolist(), reason))
         return completions
 

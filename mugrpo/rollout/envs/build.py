@@ -1,0 +1,156 @@
+"""From the config (and what ``mugrpo.train`` was given) to the factory the rollout loop calls.
+
+The keys read (their schema and documentation live with the config):
+
+- ``task.env``: an environment: a name in :data:`mugrpo.rollout.envs.ENVIRONMENTS`, a
+  ``"module:attr"`` path, or (from Python, ``mugrpo.train(environment=...)``) an
+  :class:`Environment` subclass, a callable returning one, or a TRL ``environment_factory``
+  (a callable returning an object with ``reset(**row)`` and tool methods);
+- ``task.env_args``: keyword arguments of that environment;
+- ``task.tools``: tools as ``"module:function"`` paths or (from Python, ``mugrpo.train(tools=...)``)
+  functions; alone they make a :class:`ToolEnvironment`;
+- ``env.max_turns`` and ``env.tool_timeout_s``: the defaults of an environment's ``max_turns`` and
+  ``timeout_s`` when it takes them and ``task.env_args`` does not set them.
+
+Mistakes raise :class:`mugrpo.errors.ConfigError` naming the key, at start: the factory is tried
+once (an instance made and closed) before any stage runs. This module knows nothing about the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Optional
+
+from mugrpo.errors import ConfigError, UserError
+from mugrpo.rollout.envs import ENVIRONMENTS
+from mugrpo.rollout.envs.base import EnvFactory, Environment
+from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
+from mugrpo.rollout.rewards import PYTHON_PREFIX
+
+__all__ = ["build_env_factory", "resolve_tools", "task_score"]
+
+
+def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
+    """The per-trajectory factory ``task.env`` / ``task.tools`` describe, or None (single-turn).
+
+    ``task`` (a :class:`mugrpo.rollout.tasks.Task`) lends its correctness to environments that take
+    a ``score`` argument (``multi_attempt``)."""
+    spec, args = getattr(task_cfg, "env", None), dict(getattr(task_cfg, "env_args", None) or {})
+    tools = resolve_tools(getattr(task_cfg, "tools", None) or [])
+    if spec is None:
+        if args:
+            raise ConfigError(f"task.env_args={args} without task.env: set task.env (one of "
+                              f"{list(ENVIRONMENTS.names())})")
+        if not tools:
+            return None
+        return _checked(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s),
+                        "task.tools")
+    if tools:
+        raise ConfigError("task.tools with task.env: tools make their own environment (a tool environment); "
+                          "give the tools to your environment's tools() instead, or drop task.env")
+    target = _resolve_env(spec)
+    if isinstance(target, type) and issubclass(target, Environment):
+        return _checked(functools.partial(target, **_defaults(target, args, env_cfg, task)), "task.env_args")
+    if not callable(target):
+        raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
+    return _from_callable(target, args, env_cfg)
+
+
+def _resolve_env(spec) -> Any:
+    if isinstance(spec, Environment):
+        raise ConfigError("task.env is an environment instance; give its class (or a factory): one instance "
+                          "serves one trajectory and the rollout loop makes one per trajectory")
+    if not isinstance(spec, str):
+        return spec
+    if spec.startswith(PYTHON_PREFIX):
+        raise ConfigError(f"task.env={spec!r} was a Python object passed to mugrpo.train; a config file cannot hold "
+                          "it. Resume the run from Python with the same environment: mugrpo.train(run_dir=..., "
+                          "environment=..., resume=True)")
+    if spec in ENVIRONMENTS:
+        return ENVIRONMENTS.get(spec)
+    if ":" not in spec:
+        raise ConfigError(f"task.env={spec!r} is not a known environment; use one of {list(ENVIRONMENTS.names())} "
+                          "or a 'module:Class' path")
+    from mugrpo.rollout.rewards import load_function
+
+    try:
+        return load_function(spec, "environment")
+    except UserError as exc:
+        raise ConfigError(f"task.env: {exc}") from exc
+
+
+def _defaults(cls, args: dict, env_cfg, task) -> dict:
+    """``args`` plus the defaults for the arguments ``cls`` takes and ``args`` does not set."""
+    params = inspect.signature(cls).parameters
+    defaults = {"max_turns": env_cfg.max_turns, "timeout_s": env_cfg.tool_timeout_s}
+    score = task_score(task) if task is not None else None
+    if score is not None:
+        defaults["score"] = score
+    return {**{k: v for k, v in defaults.items() if k in params}, **args}
+
+
+def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
+    """A callable returning an Environment, or a TRL ``environment_factory``."""
+    try:
+        probe = make(**args)
+    except Exception as exc:  # noqa: BLE001 - user code: report, with the key
+        raise ConfigError(f"task.env: calling {getattr(make, '__name__', make)!r} with task.env_args={args} "
+                          f"failed: {type(exc).__name__}: {exc}") from exc
+    if isinstance(probe, Environment):
+        probe.close()
+        return functools.partial(make, **args)
+    if args:
+        raise ConfigError(f"task.env_args={args}: a TRL environment_factory is called without arguments")
+    return _checked(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s),
+                    "task.env")
+
+
+def _checked(factory: EnvFactory, key: str) -> EnvFactory:
+    """``factory`` once it has made (and closed) one environment; ConfigError naming ``key`` if not."""
+    try:
+        env = factory()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+    env.close()
+    return factory
+
+
+def resolve_tools(specs: list) -> list[Callable]:
+    """Tools from ``task.tools``: functions, or ``"module:function"`` paths imported now; each must
+    describe itself (type hints, a docstring with ``Args:``)."""
+    from mugrpo.rollout.rewards import load_function
+
+    tools = []
+    for spec in specs:
+        if callable(spec):
+            tools.append(spec)
+        elif isinstance(spec, str) and spec.startswith(PYTHON_PREFIX):
+            raise ConfigError(f"task.tools: {spec!r} was a Python function passed to mugrpo.train; a config file "
+                              "cannot hold it. Resume the run from Python with the same tools: "
+                              "mugrpo.train(run_dir=..., tools=[...], resume=True)")
+        elif isinstance(spec, str) and ":" in spec:
+            try:
+                tools.append(load_function(spec, "tool"))
+            except UserError as exc:
+                raise ConfigError(f"task.tools: {exc}") from exc
+        else:
+            raise ConfigError(f"task.tools: {spec!r} is neither a function nor a 'module:function' path")
+    try:
+        tool_schemas(tools)
+    except ValueError as exc:
+        raise ConfigError(f"task.tools: {exc}") from exc
+    return tools
+
+
+def task_score(task) -> Optional[Callable]:
+    """The task's correctness as ``score(text, item) -> float``: its evaluation reward when that is
+    a built-in one, else its only built-in correctness reward (``boxed_format`` is not one); None
+    when it has none (the user's own rewards)."""
+    from mugrpo.rollout.tasks import _boxed_format
+
+    rewards = task.rewards
+    if task.eval_reward is not None and rewards[task.eval_reward].builtin:
+        return rewards[task.eval_reward].fn
+    correct = [r for r in rewards if r.builtin and not r.batched and r.fn is not _boxed_format]
+    return correct[0].fn if len(correct) == 1 else None

@@ -1,0 +1,332 @@
+"""The multi-turn rollout loop: a stage's trajectories, turn by turn, with token-exact bookkeeping.
+
+A trajectory is the prompt, then policy turns (sampled by the engine) alternating with
+environment turns (the messages ``env.step`` returns, tokenized once by the caller's renderer and
+appended). Every turn, all active trajectories go to the engine in ONE ``generate`` call: the first
+turn with n = G per prompt (each prompt prefilled once), later turns with each trajectory's ids
+so far as its own prompt (n = 1; vLLM's prefix cache reuses their KV). Then the environment steps
+of the trajectories that finished their policy turn run concurrently (:mod:`mugrpo.rollout.steps`).
+
+Token exactness (TRL's ``_tool_call_loop`` rule): the engine's sampled ids and behaviour log-probs
+are appended exactly as returned; an environment turn is appended as the renderer's ids with
+log-prob 0; nothing is ever decoded and re-encoded. ``turns[t]`` is k >= 0 for a token of policy
+turn k and -1 for an environment token (docs/MULTITURN.md, the stage-data layout).
+
+A trajectory ends (``end_reason``), each counted by :func:`loop_metrics`:
+
+- ``done``          the environment said done
+- ``turn_limit``    its last allowed policy turn was stepped and the environment still was not done
+- ``length``        a policy turn hit the token budget (truncated, as single-turn "length")
+- ``overflow``      the next environment turn would overflow the budget or the model context: it is
+                    NOT appended (TRL's rule) and the trajectory is truncated
+- ``env_error`` / ``env_timeout`` / ``env_bad_output``  ``env.step`` (or rendering its messages)
+                    raised, ran past ``step_timeout_s``, or returned something that is not a
+                    :class:`StepResult` of text messages and a finite reward. Never a crash.
+
+The token budget covers every response token, policy and environment (``rollout.max_new_tokens``
+applies to the whole trajectory, TRL's ``max_completion_length`` semantics).
+
+This module knows nothing about rewards beyond the environment's, advantages or the loss.
+:func:`roll_out_items` is the whole generation of a stage from a factory (start, loop, close);
+:func:`run_trajectories` the loop on environments already reset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from mugrpo.rollout.engines.base import Completion, SamplingConfig
+from mugrpo.rollout.envs.base import EnvFactory, Environment, StepResult
+from mugrpo.rollout.steps import run_calls
+from mugrpo.training.faults import maybe_die
+from mugrpo.training.seeds import derive
+
+END_REASONS = ("done", "turn_limit", "length", "overflow", "env_error", "env_timeout", "env_bad_output")
+TRUNCATED = ("length", "overflow")
+ENV_TOKEN = -1
+"""The ``turns`` value of an environment token."""
+MAX_TURNS = 127
+"""``turns`` is stored as int8."""
+
+EnvTurnRenderer = Callable[[list[dict], bool], list[int]]
+"""(messages to append, did the policy turn end on EOS) -> the token ids of that environment turn,
+computed once (:mod:`mugrpo.rollout.envs.render`)."""
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    max_turns: int = 4
+    """Policy turns at most; the environment's own ``max_turns`` applies too (the smaller wins)."""
+    max_response_tokens: int = 256
+    """Policy + environment tokens after the prompt (``rollout.max_new_tokens``)."""
+    max_context: Optional[int] = None
+    """Prompt + response tokens at most (the model's context); None = no limit beyond the budget."""
+    step_timeout_s: float = 30.0
+    max_workers: int = 8
+    """Environment steps running at once."""
+
+    def __post_init__(self):
+        if not 1 <= self.max_turns <= MAX_TURNS:
+            raise ValueError(f"max_turns must be in 1..{MAX_TURNS} (turns are stored as int8), got {self.max_turns}")
+        if self.max_response_tokens < 1 or self.step_timeout_s <= 0 or self.max_workers < 1:
+            raise ValueError(f"invalid loop limits {self}: need max_response_tokens >= 1, step_timeout_s > 0, "
+                             "max_workers >= 1")
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    env: Environment
+    max_turns: int
+    response_ids: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    """One per response token; 0.0 on environment tokens."""
+    turns: list[int] = field(default_factory=list)
+    """One per response token: policy turn k >= 0, or -1 (:data:`ENV_TOKEN`)."""
+    num_turns: int = 0
+    """Policy turns taken."""
+    end_reason: Optional[str] = None
+    env_reward: float = 0.0
+    metadata: dict[str, float] = field(default_factory=dict)
+    """Numeric ``StepResult.metadata`` summed over steps, plus ``env.metrics()`` at the end."""
+    last_turn_ids: list[int] = field(default_factory=list)
+    final_text: str = ""
+    """The decoded final policy turn (what the task's rewards score)."""
+    error: Optional[str] = None
+    """The first failure's traceback or description, for the run's warning."""
+
+    @property
+    def active(self) -> bool:
+        return self.end_reason is None
+
+    @property
+    def truncated(self) -> bool:
+        return self.end_reason in TRUNCATED
+
+    def append(self, ids: list[int], logprobs: list[float], turn: int) -> None:
+        self.response_ids += ids
+        self.behavior_logprobs += logprobs
+        self.turns += [turn] * len(ids)
+
+    def room(self, limits: LoopLimits) -> int:
+        """Tokens that may still be appended."""
+        room = limits.max_response_tokens - len(self.response_ids)
+        if limits.max_context is not None:
+            room = min(room, limits.max_context - len(self.prompt_ids) - len(self.response_ids))
+        return room
+
+
+def roll_out_items(engine, factory: EnvFactory, items: list, sampling: SamplingConfig, limits: LoopLimits, *,
+                   group_size: int, reset_seed: int, tokenizer, task_cfg,
+                   select: Optional[Callable[[list[list[int]]], list[int]]] = None,
+                   progress: Optional[Callable[[int], None]] = None
+                   ) -> tuple[list[int], list[list[int]], list[Trajectory]]:
+    """A stage's trajectories for ``items``: (the groups kept, their prompts, G trajectories per
+    kept group, group-major).
+
+    Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`);
+    ``select(prompts)`` may keep only some groups (e.g. the prompt-length rule; the others' envs
+    are closed); the rest are rolled out and closed (also when the loop raises). Environment turns
+    are rendered by :func:`mugrpo.rollout.envs.render.env_turn_ids`; a turn ends at the engine's EOS.
+    """
+    from mugrpo.rollout.envs.render import env_turn_ids
+    from mugrpo.rollout.envs.start import start_trajectories
+
+    G = group_size
+    prompts, envs = start_trajectories(factory, items, G, reset_seed, tokenizer, task_cfg)
+    try:
+        kept = list(range(len(prompts))) if select is None else list(select(prompts))
+        dropped = sorted(set(range(len(prompts))) - set(kept))
+        _close_all([Trajectory([], envs[g * G + j], 1) for g in dropped for j in range(G)], limits)
+        envs = [envs[g * G + j] for g in kept for j in range(G)]
+        prompts = [prompts[g] for g in kept]
+        trajs = run_trajectories(engine, prompts, envs, sampling, limits,
+                                 render_env_turn=functools.partial(env_turn_ids, tokenizer),
+                                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                                 eos=list(getattr(engine, "eos", [tokenizer.eos_token_id])), progress=progress)
+    except BaseException:
+        _close_all([Trajectory([], env, 1) for env in envs], limits)
+        raise
+    return kept, prompts, trajs
+
+
+def run_trajectories(engine, prompts: list[list[int]], envs: list[Environment], sampling: SamplingConfig,
+                     limits: LoopLimits, *, render_env_turn: EnvTurnRenderer, decode: Callable[[list[int]], str],
+                     eos: list[int], progress: Optional[Callable[[int], None]] = None) -> list[Trajectory]:
+    """Roll out ``len(envs) // len(prompts)`` = G trajectories per prompt (``envs`` group-major, reset).
+
+    ``sampling.n`` is ignored (G comes from ``envs``); ``sampling.max_new_tokens`` caps one policy
+    turn; the stop strings are the environments' (all must share them).
+    """
+    G = len(envs) // max(len(prompts), 1)
+    if not prompts or G * len(prompts) != len(envs):
+        raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts: need G per prompt, G >= 1")
+    trajs = [Trajectory(prompts[i // G], env, min(limits.max_turns, env.max_turns)) for i, env in enumerate(envs)]
+    for t in trajs:
+        if t.room(limits) < 1:
+            raise ValueError(f"a prompt of {len(t.prompt_ids)} tokens leaves no room in the model context "
+                             f"({limits.max_context} tokens); lower task.max_prompt_tokens")
+        if t.max_turns < 1:
+            raise ValueError(f"environment {type(t.env).__name__} has max_turns={t.env.max_turns}; need >= 1")
+    sampling = dataclasses.replace(sampling, stop=_shared_stop(envs))
+    turn = 0
+    while any(t.active for t in trajs):
+        active = [t for t in trajs if t.active]
+        completions = _policy_turn(engine, active, sampling, limits, turn, G if turn == 0 else 1)
+        stepping = [t for t, c in zip(active, completions) if _take_policy_turn(t, c, turn, decode)]
+        maybe_die("turn")
+        _environment_turn(stepping, limits, render_env_turn, eos)
+        if progress is not None:
+            progress(sum(1 for t in active if not t.active))
+        turn += 1
+    _close_all(trajs, limits)
+    return trajs
+
+
+def _shared_stop(envs: list[Environment]) -> tuple[str, ...]:
+    stops = {tuple(env.stop) for env in envs}
+    if len(stops) > 1:
+        raise ValueError(f"the environments of one stage must share their stop strings; got {sorted(stops)}")
+    return stops.pop()
+
+
+def _policy_turn(engine, active: list[Trajectory], sampling: SamplingConfig, limits: LoopLimits, turn: int,
+                 n: int) -> list[Completion]:
+    """One engine call for every active trajectory; turn 0 samples n = G per prompt."""
+    seed = derive(sampling.seed, "multiturn-turn", turn)
+    per_turn = dataclasses.replace(sampling, n=n, seed=seed)
+    heads = active[::n]  # turn 0: the first trajectory of each group; later: all (n = 1)
+    caps = [min(sampling.max_new_tokens, t.room(limits)) for t in heads]
+    prompts = [t.prompt_ids + t.response_ids for t in heads]
+    out = engine.generate(prompts, per_turn, max_new_tokens=caps)
+    return [c for group in out for c in group]
+
+
+def _take_policy_turn(t: Trajectory, c: Completion, turn: int, decode) -> bool:
+    """Append the sampled turn exactly; True when the trajectory goes on to an environment step."""
+    t.append(list(c.token_ids), list(c.behavior_logprobs), turn)
+    t.num_turns += 1
+    t.last_turn_ids = list(c.token_ids)
+    t.final_text = decode(t.last_turn_ids)
+    if c.finish_reason == "length":
+        t.end_reason = "length"
+        return False
+    return True
+
+
+def _environment_turn(stepping: list[Trajectory], limits: LoopLimits, render: EnvTurnRenderer, eos: list[int]) -> None:
+    """Step every environment concurrently, then append each environment turn or end the trajectory."""
+    def step(t: Trajectory):
+        def call():
+            maybe_die("env_step")  # a kill point inside a tool call, for the resume tests
+            return t.env.step(t.final_text)
+        return call
+
+    results = run_calls([step(t) for t in stepping], limits.max_workers, limits.step_timeout_s)
+    for t, r in zip(stepping, results):
+        if r.timed_out:
+            _end(t, "env_timeout", f"env.step ran past {limits.step_timeout_s:g} s")
+        elif r.error is not None:
+            _end(t, "env_error", r.error)
+        elif (problem := _invalid_step(r.value)) is not None:
+            _end(t, "env_bad_output", problem)
+        else:
+            _apply_step(t, r.value, limits, render, ended_on_eos=bool(t.last_turn_ids) and t.last_turn_ids[-1] in eos)
+
+
+def _apply_step(t: Trajectory, result: StepResult, limits: LoopLimits, render: EnvTurnRenderer,
+                ended_on_eos: bool) -> None:
+    t.env_reward += float(result.reward)
+    for key, value in result.metadata.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            t.metadata[key] = t.metadata.get(key, 0.0) + float(value)
+    if result.done:
+        t.end_reason = "done"
+        return
+    if t.num_turns >= t.max_turns:
+        t.end_reason = "turn_limit"
+        return
+    try:
+        ids = list(render(result.observations, ended_on_eos))
+    except Exception as exc:  # noqa: BLE001 - messages the template cannot render are the env's bad output
+        _end(t, "env_bad_output", f"rendering the environment's messages failed: {exc!r}")
+        return
+    if len(ids) >= t.room(limits):  # at least one policy token must fit after it
+        t.end_reason = "overflow"
+        return
+    t.append(ids, [0.0] * len(ids), ENV_TOKEN)
+
+
+def _invalid_step(value) -> Optional[str]:
+    """Why ``value`` is not a usable step result, or None."""
+    if not isinstance(value, StepResult):
+        return f"env.step returned {type(value).__name__}, not a StepResult"
+    if not isinstance(value.reward, (int, float)) or isinstance(value.reward, bool) or not math.isfinite(value.reward):
+        return f"env.step returned reward {value.reward!r}, not a finite number"
+    if not isinstance(value.observations, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value.observations):
+        return "env.step returned observations that are not a list of {'role': str, 'content': str} messages"
+    if not isinstance(value.metadata, dict):
+        return f"env.step returned metadata of type {type(value.metadata).__name__}, not a dict"
+    return None
+
+
+def _end(t: Trajectory, reason: str, error: str) -> None:
+    t.end_reason = reason
+    t.error = t.error or error
+
+
+def _close_all(trajs: list[Trajectory], limits: LoopLimits) -> None:
+    """``env.metrics()`` then ``env.close()`` for every trajectory, concurrently; failures counted."""
+    def finish(t: Trajectory):
+        def call():
+            try:
+                return dict(t.env.metrics())
+            finally:
+                t.env.close()
+        return call
+
+    results = run_calls([finish(t) for t in trajs], limits.max_workers, limits.step_timeout_s)
+    for t, r in zip(trajs, results):
+        if not r.ok or not isinstance(r.value, dict):
+            t.metadata["num_close_errors"] = t.metadata.get("num_close_errors", 0.0) + 1
+            continue
+        for key, value in r.value.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                t.metadata[key] = t.metadata.get(key, 0.0) + float(value)
+
+
+def loop_counts(trajs: list[Trajectory]) -> dict[str, float]:
+    """Stage-level SUMS (summable over ranks): how trajectories ended, turns, the token split, the
+    environment reward, and env/<key> for every number in step metadata and ``env.metrics()``."""
+    counts = {f"env/num_{reason}": float(sum(t.end_reason == reason for t in trajs)) for reason in END_REASONS}
+    num_policy = sum(sum(1 for k in t.turns if k >= 0) for t in trajs)
+    counts.update({
+        "env/num_trajectories": float(len(trajs)),
+        "env/num_turns": float(sum(t.num_turns for t in trajs)),
+        "env/reward_sum": float(sum(t.env_reward for t in trajs)),
+        "env/num_policy_tokens": float(num_policy),
+        "env/num_env_tokens": float(sum(len(t.turns) for t in trajs) - num_policy),
+    })
+    keys = sorted({k for t in trajs for k in t.metadata})
+    counts.update({f"env/{k}": sum(t.metadata.get(k, 0.0) for t in trajs) for k in keys})
+    return counts
+
+
+def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
+    """The logged metrics from (rank-summed) :func:`loop_counts`: sums become means where a mean is meant."""
+    out = dict(counts)
+    n = max(out.pop("env/num_trajectories"), 1.0)
+    out["env/turns_mean"] = out.pop("env/num_turns") / n
+    out["env/reward_mean"] = out.pop("env/reward_sum") / n
+    return out
+
+
+def loop_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """:func:`finalize_counts` of one process's trajectories."""
+    return finalize_counts(loop_counts(trajs))

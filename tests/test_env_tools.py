@@ -1,0 +1,283 @@
+"""The <tool_call> protocol, the tool pool and the tool environments (mugrpo.rollout.envs.tools)."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from mugrpo.rollout.envs.tools import (COUNT_KEYS, FactoryEnvironment, ToolEnvironment, ToolPool, parse_tool_calls,
+                                       protocol_text, tool_schemas)
+from mugrpo.rollout.tasks import Item
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def boom(x: str) -> str:
+    """Always raises.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"cannot {x}")
+
+
+def nap(seconds: float) -> str:
+    """Sleep, then say so.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+def call(name, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing.
+
+
+def test_parser_reads_every_call_in_order():
+    text = f"Let me add. {call('add', a=1, b=2)} and {call('boom', x='fly')} done"
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 1, "b": 2}, None),
+                                                              ("boom", {"x": "fly"}, None)]
+
+
+def test_parser_accepts_arguments_as_a_json_string_and_missing_arguments():
+    calls = parse_tool_calls('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+                             '<tool_call>{"name": "f"}</tool_call>')
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 1, "b": 2}, None), ("f", {}, None)]
+
+
+def test_parser_no_call_is_an_empty_list():
+    assert parse_tool_calls("The answer is \\boxed{3}.") == []
+
+
+@pytest.mark.parametrize("body, says", [
+    ("{not json}", "not valid JSON"),
+    ('["add", 1]', "JSON object"),
+    ('{"arguments": {"a": 1}}', "JSON object"),          # no name
+    ('{"name": "add", "arguments": [1, 2]}', "must be a JSON object"),
+    ('{"name": "add", "arguments": "1, 2"}', "not a JSON object"),
+])
+def test_parser_marks_malformed_calls(body, says):
+    (c,) = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert c.error is not None and says in c.error
+
+
+def test_parser_counts_an_unclosed_call():
+    calls = parse_tool_calls(call("add", a=1, b=1) + ' <tool_call>{"name": "add", "argu')
+    assert calls[0].error is None and calls[1].error.startswith("unclosed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schemas and the protocol text.
+
+
+def test_schemas_come_from_the_signature_and_docstring():
+    (schema,) = tool_schemas([add])
+    fn = schema["function"]
+    assert fn["name"] == "add" and fn["description"] == "Add two integers."
+    assert fn["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first."}
+    assert fn["parameters"]["required"] == ["a", "b"]
+    assert json.dumps(schema) in protocol_text([schema]) and "<tool_call>" in protocol_text([schema])
+
+
+def test_a_tool_without_docstring_is_refused_by_name():
+    def bare(x: int) -> int:
+        return x
+
+    with pytest.raises(ValueError, match="tool 'bare'.*docstring"):
+        tool_schemas([bare])
+
+
+# ---------------------------------------------------------------------------------------------
+# Failure modes: each answered with {"error": ...} and counted.
+
+
+def counts(**nonzero) -> dict:
+    return {**dict.fromkeys(COUNT_KEYS, 0), **nonzero}
+
+
+def test_a_good_call_returns_its_result():
+    env = ToolEnvironment([add, boom])
+    result = env.step(call("add", a=2, b=3))
+    assert result.observations == [{"role": "tool", "name": "add", "content": "5"}]
+    assert (result.reward, result.done, result.metadata) == (0.0, False, counts(tool_calls=1))
+
+
+@pytest.mark.parametrize("action, key, says", [
+    (call("boom", x="fly"), "tool_exceptions", "RuntimeError: cannot fly"),
+    (call("subtract", a=1, b=2), "tool_unknown", "unknown tool 'subtract'"),
+    (call("add", a=1), "tool_bad_args", "missing a required argument: 'b'"),
+    (call("add", a=1, b=2, c=3), "tool_bad_args", "unexpected keyword argument 'c'"),
+    ("<tool_call>{add(1, 2)}</tool_call>", "tool_bad_args", "not valid JSON"),
+])
+def test_each_failure_is_an_error_observation_and_counted(action, key, says):
+    env = ToolEnvironment([add, boom])
+    result = env.step(action)
+    (obs,) = result.observations
+    assert obs["role"] == "tool" and says in json.loads(obs["content"])["error"]
+    assert result.metadata == counts(tool_calls=1, tool_errors=1, **{key: 1})
+    assert not result.done  # the model reads the error and may try again
+
+
+def test_mixed_calls_are_counted_each():
+    env = ToolEnvironment([add, boom])
+    result = env.step(call("add", a=1, b=1) + call("boom", x="a") + call("nope") + "<tool_call>x</tool_call>")
+    # 4 calls: 1 fine, 1 raised, 1 unknown, 1 bad JSON -> 3 errors
+    assert result.metadata == counts(tool_calls=4, tool_errors=3, tool_exceptions=1, tool_unknown=1, tool_bad_args=1)
+    assert result.observations[0]["content"] == "2"
+
+
+def test_a_hung_tool_times_out_and_the_step_returns():
+    env = ToolEnvironment([nap], timeout_s=0.2)
+    start = time.monotonic()
+    result = env.step(call("nap", seconds=5.0))
+    elapsed = time.monotonic() - start
+    assert elapsed < 2.0  # bounded by the timeout (0.2 s), not the 5 s sleep; slack for a loaded CPU
+    assert "did not return within 0.2 s" in json.loads(result.observations[0]["content"])["error"]
+    assert result.metadata == counts(tool_calls=1, tool_errors=1, tool_timeouts=1)
+
+
+def test_slow_calls_run_concurrently_in_the_pool():
+    # 6 calls of 0.5 s: serially 3.0 s; with 6 workers about 0.5 s. Asserted loosely (< 0.6 x serial).
+    env = ToolEnvironment([nap], timeout_s=10.0, pool=ToolPool(6))
+    start = time.monotonic()
+    result = env.step("".join(call("nap", seconds=0.5) for _ in range(6)))
+    elapsed = time.monotonic() - start
+    assert [o["content"] for o in result.observations] == ["slept 0.5"] * 6
+    assert elapsed < 0.6 * 6 * 0.5
+
+
+def test_the_pool_bound_holds_and_queued_time_counts_toward_the_timeout():
+    # 1 worker, 3 calls of 0.4 s, timeout 1.0 s from submission: the first two finish (0.4, 0.8 s),
+    # the third would end at 1.2 s and times out.
+    pool, running, peak = ToolPool(1), [0], [0]
+    lock = threading.Lock()
+
+    def work():
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.4)
+        with lock:
+            running[0] -= 1
+        return "ok"
+
+    outcomes = pool.run([work, work, work], timeout_s=1.0)
+    assert [kind for kind, _ in outcomes] == ["ok", "ok", "timeout"]
+    assert peak[0] == 1
+
+
+def test_a_timed_out_call_gives_its_slot_back():
+    pool = ToolPool(1)
+    assert pool.run([lambda: time.sleep(3)], timeout_s=0.1) == [("timeout", None)]
+    assert pool.run([lambda: 7], timeout_s=1.0) == [("ok", 7)]  # would time out if the slot were still held
+
+
+def test_a_turn_without_a_call_is_the_final_answer():
+    env = ToolEnvironment([add])
+    result = env.step("So the answer is \\boxed{5}.")
+    assert (result.observations, result.reward, result.done) == ([], 0.0, True)
+
+
+def test_a_call_never_ends_the_trajectory_the_turn_limit_does():
+    # max_turns is the loop's to enforce (it counts "turn_limit"); the environment only declares it.
+    env = ToolEnvironment([add], max_turns=2)
+    assert env.max_turns == 2
+    for _ in range(3):
+        result = env.step(call("add", a=1, b=1))
+        assert not result.done and result.observations[0]["content"] == "2"
+
+
+def test_results_that_are_not_text_are_rendered():
+    def info(key: str) -> dict:
+        """Look up a key.
+
+        Args:
+            key: The key.
+        """
+        return {"key": key, "values": [1, 2]}
+
+    result = ToolEnvironment([info]).step(call("info", key="k"))
+    assert json.loads(result.observations[0]["content"]) == {"key": "k", "values": [1, 2]}
+
+
+def test_async_tools_are_awaited():
+    async def double(x: int) -> int:
+        """Double it.
+
+        Args:
+            x: The number.
+        """
+        return 2 * x
+
+    assert ToolEnvironment([double]).step(call("double", x=21)).observations[0]["content"] == "42"
+
+
+@pytest.mark.parametrize("kwargs, says", [({"max_turns": 0}, "max_turns"), ({"timeout_s": 0}, "timeout_s")])
+def test_bad_settings_are_refused(kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        ToolEnvironment([add], **kwargs)
+
+
+def test_duplicate_tool_names_are_refused():
+    with pytest.raises(ValueError, match="distinct names"):
+        ToolEnvironment([add, add])
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL environment_factory objects.
+
+
+class Counter:
+    """A TRL-style environment: public methods are tools, reset(**row), get_reward()."""
+
+    def reset(self, target: int, **row) -> str:
+        self.value, self.target = 0, target
+        return f" Reach {target}."
+
+    def increment(self, by: int) -> int:
+        """Add to the counter.
+
+        Args:
+            by: How much.
+        """
+        self.value += by
+        return self.value
+
+    def get_reward(self) -> float:
+        return 1.0 if self.value == self.target else 0.0
+
+    def _private(self):
+        return "not a tool"
+
+
+def test_factory_object_methods_become_tools_and_reset_appends_text():
+    env = FactoryEnvironment(Counter, max_turns=5)
+    assert [t.__name__ for t in env.tools()] == ["increment"]
+    messages = env.reset(Item("Count up.", "3", {"target": 3}), seed=0)
+    assert messages == [{"role": "user", "content": "Count up. Reach 3."}]
+
+
+def test_factory_reward_sums_to_the_last_get_reward():
+    env = FactoryEnvironment(Counter, max_turns=5)
+    env.reset(Item("q", "", {"target": 3}), seed=0)
+    rewards = [env.step(call("increment", by=by)).reward for by in (3, 1, -1)]
+    # value 3 (reward 1), 4 (0), 3 (1): step rewards are the changes 1, -1, +1; their sum is 1 = get_reward()
+    assert rewards == [1.0, -1.0, 1.0] and sum(rewards) == 1.0
+    final = env.step("done")
+    assert final.done and final.reward == 0.0  # unchanged since the last step
