@@ -160,3 +160,10 @@ def test_plan_shows_it():
     off = load_config("mu-grpo")
     off_rows = {line[:30].strip(): line[30:].strip() for line in format_plan(make_plan(off), off).splitlines()}
     assert off_rows["dynamic sampling"] == "off" and "round 0 draws" not in off_rows
+
+
+def test_dynamic_sampling_with_an_environment_is_refused():
+    # A multi-turn stage is generated in one round (training/env_stage.py): refused, naming the keys.
+    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling=true with an environment \(task\.env"):
+        load_config("mu-grpo", overrides=["rollout.dynamic_sampling=true", "task.env=calculator"])
+    load_config("mu-grpo", overrides=["rollout.dynamic_sampling=false", "task.env=calculator"])  # accepted
