@@ -261,3 +261,24 @@ def test_two_process_lora_run_matches_one_process_and_exports_merged_weights(tin
             assert torch.equal(w2[name], w0[name]), name
     adapter = load_file(str(run / "final_model" / "adapter" / "adapter_model.safetensors"))
     assert len(adapter) == 28 and all(k.startswith("base_model.model.model.layers.") for k in adapter)
+
+
+@pytest.mark.distributed
+def test_two_ranks_take_the_same_dynamic_sampling_rounds(tiny_model, tmp_path):
+    # Dynamic sampling's round decisions use the largest shortfall over ranks and the summed counts,
+    # so both ranks draw the same rounds (a rank that stopped alone would block in the next
+    # collective), and each keeps its share of the informative groups: 4 updates x 8 prompts = 32
+    # per stage, 16 per rank, every kept group with reward variance.
+    run = tmp_path / "run"
+    _mugrpo(2, ["--run-dir", str(run), f"model.name={tiny_model}", *COMMON, "task.reward_fn=sparse_rewards:has_one",
+                "schedule.total_updates=8", "schedule.num_stages=2", "rollout.dynamic_sampling=true",
+                "train.save_final_model=false"])
+    stages = _records(run, "stage")
+    assert len(stages) == 2 and [r["update"] for r in _records(run, "update")] == list(range(1, 9))
+    for record in stages:
+        assert record["stage/num_groups_needed"] == 32 and record["stage/num_sequences"] == 32 * 4
+        for rank in range(2):
+            shard = StageData.load(dist.shard_path(run / "stages" / f"stage_{record['stage']:03d}", rank))
+            assert shard.num_groups == 16
+            assert bool((shard.rewards.view(-1, 4).std(dim=1) > 0).all()), (record["stage"], rank)
+    assert stages[0]["stage/num_rounds"] >= 2  # about 1 group in 3 is informative: round 0's 64 are too few

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         f"train.seed={args.seed}", f"task.eval_size={args.eval_prompts}"])
     plan = make_plan(cfg)
     task = build_task(cfg.task)
-    # mugrpo's stage prompts (trainer._stage_prompts draws them with this generator).
+    # mugrpo's stage prompts (Trainer._draw draws them with this generator).
     order = []
     for stage in range(plan.num_stages):
         gen = torch.Generator().manual_seed(seeds.prompt_draw(cfg.train.seed, stage))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from mugrpo.config.rules import stage_shape
 from mugrpo.config.schema import Config
 from mugrpo.errors import ConfigError
+from mugrpo.training import dynamic
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         ("veto", "none" if cfg.loss.veto_scope == "none"
          else f"{cfg.loss.veto_scope}, delta={cfg.loss.veto_delta:g}"),
         ("zero-advantage skip", "on" if cfg.train.skip_zero_advantage else "off"),
+        *dynamic.plan_rows(cfg.rollout.dynamic_sampling, dynamic.groups_needed(
+            plan.prompts_per_stage, plan.prompts_per_update, plan.updates_per_stage), plan.group_size,
+            cfg.rollout.dynamic_oversample, cfg.rollout.dynamic_max_rounds, plan.world_size),
         ("shared-prefix forward", "on" if cfg.train.shared_prefix else "off"),
     ]
     if resolved is not None:

@@ -237,6 +237,16 @@ class RolloutConfig:
     prompts_per_stage: Optional[int] = None
     """Prompts generated at the start of each stage; null = updates_per_stage x prompts_per_update
     (exactly one pass over the stage data)."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO; docs/ALGORITHM.md section 3b): generate each stage's prompt groups in
+    rounds and keep only informative ones (nonzero reward variance) until the stage holds the groups
+    its updates draw, or ``dynamic_max_rounds`` rounds are done. Off: every drawn group is kept."""
+    dynamic_oversample: float = 2.0
+    """Dynamic sampling: round 0 draws this many times the groups the stage needs (>= 1); later
+    rounds are sized from the informative fraction seen so far, never larger than round 0."""
+    dynamic_max_rounds: int = 4
+    """Dynamic sampling: the most generation rounds per stage (>= 1); short after the last one, the
+    stage is filled with uninformative groups and the run goes on."""
     max_new_tokens: int = 48
     """Response length limit; a truncated response has no final answer and scores 0."""
     temperature: float = 1.0
@@ -257,6 +267,10 @@ class RolloutConfig:
         if self.prompts_per_stage is not None:
             _check(self.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null",
                    self.prompts_per_stage)
+        _check(math.isfinite(self.dynamic_oversample) and self.dynamic_oversample >= 1, "rollout.dynamic_oversample",
+               "a finite number >= 1 (round 0 draws at least the groups the stage needs)", self.dynamic_oversample)
+        _check(self.dynamic_max_rounds >= 1, "rollout.dynamic_max_rounds",
+               "an integer >= 1 (the generation rounds of a stage with dynamic sampling)", self.dynamic_max_rounds)
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
         _check(0 < self.temperature < math.inf, "rollout.temperature", "a finite number > 0 (training samples; "
                "greedy is for eval)", self.temperature)

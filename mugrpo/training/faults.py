@@ -2,9 +2,10 @@
 
 ``MUGRPO_DIE_AT="point:n"`` makes the process SIGKILL itself the n-th time (1-based) it passes
 ``point``; ``MUGRPO_STOP_AT="point:n"`` sends it SIGTERM there instead (a graceful stop that lands
-exactly where the test says, whatever the machine's load). Points: ``generate`` (after a generation batch), ``update`` (after an optimizer update,
-before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename). Unset in
-normal use; reading one environment variable is the whole cost.
+exactly where the test says, whatever the machine's load). Points: ``generate`` (after a generation
+batch), ``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer
+update, before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename).
+Unset in normal use; reading one environment variable is the whole cost.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@
       checkpoints/ckpt_UUUUUUU/   model, optimizer, scheduler, RNG, trainer_state.json, config.yaml
       stages/stage_KKK/           the stage's data: rollouts_rank{R}.safetensors, shards.json (the
                                   "generated" marker, written last), stage_metrics.json, rollouts*.jsonl
+        rounds/                   dynamic sampling's finished rounds (round_RR_rank{R}.safetensors + .json),
+                                  removed once the stage's shards are written (mugrpo.training.rounds)
       final_model/                the exported HF model (and tokenizer)
       replay.json                 a replaying run's source run directory (mugrpo.training.replay)
 
@@ -30,6 +32,7 @@ STAGES_DIR = "stages"
 FINAL_MODEL_DIR = "final_model"
 STAGE_METRICS_FILE = "stage_metrics.json"
 REPLAY_FILE = "replay.json"
+ROUNDS_DIR = "rounds"
 
 
 def stage_name(stage: int) -> str:

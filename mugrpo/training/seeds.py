@@ -33,6 +33,15 @@ def rollout_sampling(seed: int, stage: int, rank: int) -> int:
     return derive(seed, "rollout-sampling", stage, rank)
 
 
+def rollout_round_sampling(seed: int, stage: int, rank: int, round_index: int) -> int:
+    """The engine's sampling in round ``round_index`` of a stage with dynamic sampling
+    (:mod:`mugrpo.training.dynamic`). Round 0 is :func:`rollout_sampling`: the sampling of a stage
+    without dynamic sampling."""
+    if round_index == 0:
+        return rollout_sampling(seed, stage, rank)
+    return derive(seed, "rollout-round-sampling", stage, rank, round_index)
+
+
 def eval_sampling(seed: int) -> int:
     """Evaluation's sampling: the same at every evaluation, so differences come from the weights."""
     return derive(seed, "eval-sampling")
