@@ -60,7 +60,7 @@ def arm_config(arm: str, seed: int, args) -> dict:
         "rollout.engine": args.engine,
         "env.max_turns": args.max_turns,
         "task": {"few_shot": [], "instruction": TOOL_INSTRUCTION if tool else PLAIN_INSTRUCTION,
-                 "eval_size": args.eval_items, "max_prompt_tokens": 512},
+                 "eval_size": max(args.eval_items, 8), "max_prompt_tokens": 512},
         "eval.num_items": args.eval_items,
         "eval.every_updates": args.eval_every,
         "eval.every_stages": 0,
@@ -97,7 +97,10 @@ def _per_traj(stage: dict, key: str) -> float:
 
 
 def summarize(run_dir: Path) -> dict:
-    info = json.loads((run_dir / "bench.json").read_text())
+    bench = run_dir / "bench.json"
+    arm, _, seed = run_dir.name.rpartition("_seed")
+    # a run stopped before its end has no bench.json: its records still count, marked unfinished
+    info = json.loads(bench.read_text()) if bench.exists() else {"arm": arm, "seed": int(seed), "finished": False}
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     stages = [r for r in records if r.get("kind") == "stage"]
     evals = [r for r in records if r.get("kind") == "eval"]
@@ -128,7 +131,7 @@ def summarize(run_dir: Path) -> dict:
 def report(args) -> None:
     import torch
 
-    runs = [summarize(d) for d in sorted(WORK.glob("*_seed*")) if (d / "bench.json").exists()]
+    runs = [summarize(d) for d in sorted(WORK.glob("*_seed*")) if (d / "metrics.jsonl").exists()]
     out = {"machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
                        "load_avg_at_report": os.getloadavg(), "python": platform.python_version()},
            "runs": runs}
@@ -154,18 +157,18 @@ def figure(runs: list[dict]) -> None:
         if key:
             pts = [(e["time_s"] / 60, e[key]) for e in r["evals"] if key in e]
             axes[0].plot(*zip(*pts), marker="o", label=label)
-        pts = [(u["time_s"] / 60, u["reward_mean"]) for u in r["updates"] if u["reward_mean"] is not None]
-        if pts:
-            axes[1].plot(*zip(*pts), marker=".", label=label)
-        pts = [(u["update"], u["tool_calls_per_traj"]) for u in r["updates"] if u["tool_calls_per_traj"] is not None]
-        if pts:
-            axes[2].plot(*zip(*pts), marker=".", label=label)
+        # the update records carry no reward: the stage records do (one point per stage, at its end)
+        stages = [st for st in r["stages"] if st.get("time_s") is not None]
+        if stages:
+            axes[1].plot([st["time_s"] / 60 for st in stages], [st["reward_mean"] for st in stages], marker="s", label=label)
+            axes[2].plot([st["stage"] for st in stages], [st["tool_calls_per_traj"] for st in stages], marker="s", label=label)
     axes[0].set(title="held-out greedy accuracy", xlabel="wall-clock (min)")
-    axes[1].set(title="training reward (per update)", xlabel="wall-clock (min)")
-    axes[2].set(title="tool calls per trajectory (training)", xlabel="update")
+    axes[1].set(title="training reward (per stage)", xlabel="wall-clock at stage end (min)")
+    axes[2].set(title="tool calls per trajectory (training)", xlabel="stage")
     for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "env_calculator.png", dpi=90)
     print(f"wrote {RESULTS / 'env_calculator.png'}")
@@ -179,10 +182,11 @@ def main(argv=None) -> None:
     r.add_argument("--seed", type=int, default=1)
     r.add_argument("--updates", type=int, default=8)
     r.add_argument("--prompts", type=int, default=4, help="prompts per update")
+    # 0 turns evaluation off (a run kept for its rollout timings only)
     r.add_argument("--group-size", type=int, default=8)
     r.add_argument("--max-new-tokens", type=int, default=160)
     r.add_argument("--max-turns", type=int, default=3)
-    r.add_argument("--eval-items", type=int, default=16)
+    r.add_argument("--eval-items", type=int, default=16, help="0: no evaluation")
     r.add_argument("--eval-every", type=int, default=4)
     r.add_argument("--rows", type=int, default=256)
     r.add_argument("--engine", default="vllm")
