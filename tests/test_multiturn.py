@@ -167,10 +167,8 @@ def test_env_steps_run_concurrently_within_the_bound():
             running[0] -= 1
         return "ok"
 
-    t0 = time.monotonic()
     assert [r.value for r in run_calls([slow] * 8, max_workers=8, timeout_s=10)] == ["ok"] * 8
-    wide = time.monotonic() - t0
-    assert peak[0] == 8 and wide < 1.6  # serial would be 3.2 s
+    assert peak[0] == 8  # all 8 ran at once (one after another, the peak would be 1)
     peak[0] = 0
     run_calls([slow] * 8, max_workers=2, timeout_s=10)
     assert peak[0] == 2
