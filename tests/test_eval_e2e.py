@@ -129,6 +129,10 @@ def test_eval_cli_user_errors_exit_2(runs, capsys):
     assert "n >= k" in capsys.readouterr().err
     assert main(["eval", "--model", str(runs["mu"]), "optim.lr=1"]) == 2
     assert "task.*, rollout.*" in capsys.readouterr().err
+    # prompt budget + new tokens past the tiny model's 1,024 positions: refused before the engine starts
+    assert main(["eval", "--model", str(runs["mu"]), "--max-new-tokens", "4000"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-new-tokens=4000" in err and "max_position_embeddings=1024" in err
     try:  # the vllm case needs vllm to be absent
         import vllm  # noqa: F401
     except ImportError:

@@ -109,3 +109,24 @@ def test_the_api_argument_replays_too(tmp_path, tiny_model_dir, original, monkey
     cfg = load_config(overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES, *ONE_STAGE])
     result = mugrpo.train(cfg, run_dir=tmp_path / "api", replay=original)
     _assert_same_run(original, result.run_dir)
+
+
+ENV = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12"]
+
+
+def test_a_replayed_multi_turn_stage_gives_bitwise_the_same_updates(tmp_path, tiny_model_dir):
+    """An environment's stage (policy and env turns interleaved, turn ids stored) replays like any
+    other: the same updates, per-turn veto keys included; a replay without the environment is refused."""
+    source = tmp_path / "source"
+    r = _run(_cmd(source, tiny_model_dir, *ENV))
+    assert r.returncode == 0, r.stderr[-3000:]
+    replayed = tmp_path / "replayed"
+    r = _run(_cmd(replayed, tiny_model_dir, *ENV, "--replay", str(source)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    _assert_same_run(source, replayed)
+    assert any(k.startswith("loss/veto_token_frac_turn") for k in _updates(replayed)[0])  # a multi-turn stage
+    stage = [s for s in read_metrics(replayed / "metrics.jsonl") if s["kind"] == "stage"][0]
+    assert stage["stage/replayed"] == 1.0 and "perf/generate_s" not in stage
+    refused = _run(_cmd(tmp_path / "no_env", tiny_model_dir, "rollout.max_new_tokens=12", "--replay", str(source)))
+    assert refused.returncode == 2
+    assert "task.env" in refused.stderr and "replay source" in refused.stderr

@@ -52,7 +52,7 @@ def run(args) -> int:
     from mugrpo.evaluation.metrics import macro_average
     from mugrpo.evaluation.evaluate import EnvEval, generate_and_score, render_prompts, summarize_generations
     from mugrpo.rollout.envs.build import build_env_factory
-    from mugrpo.models.loading import load_tokenizer
+    from mugrpo.models.loading import check_fits, load_tokenizer, model_context
 
     source = resolve_model(args.model)
     cfg = _config(source, args)
@@ -65,6 +65,10 @@ def run(args) -> int:
     specs = split_specs(args.task or ["train"])
     tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
     eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
+    context = model_context(source["model_path"], cfg.model.trust_remote_code)
+    new_key = "--max-new-tokens" if args.max_new_tokens else "rollout.max_new_tokens"
+    for es in eval_sets:  # before the engine starts; as in training (mugrpo.models.loading.check_context)
+        check_fits(source["model_path"], context, es.task_cfg.max_prompt_tokens, {new_key: settings.max_new_tokens})
     engine_kind, engine = _make_engine(args.engine or cfg.rollout.engine, source["model_path"],
                                        tokenizer, cfg, args.seed)
     results, samples = {}, []

@@ -138,16 +138,26 @@ def check_context(path: str, cfg, trust_remote_code: bool = False) -> None:
     embedding, and transformers only warns there, so a run would train on garbage without saying so; a
     clamp would silently change which prompts are truncated or skipped. The limit counts truncated
     prompts too (``task.prompt_too_long=truncate`` cuts to ``task.max_prompt_tokens``)."""
+    check_fits(path, model_context(path, trust_remote_code), cfg.task.max_prompt_tokens,
+               {"rollout.max_new_tokens": cfg.rollout.max_new_tokens, "eval.max_new_tokens": cfg.eval.max_new_tokens})
+
+
+def model_context(path: str, trust_remote_code: bool = False) -> int | None:
+    """The model's context (``max_position_embeddings`` of its text config), or None if it names none."""
     config = _model_config(path, trust_remote_code)
-    context = getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", None)
+    return getattr(getattr(config, "get_text_config", lambda: config)(), "max_position_embeddings", None) or None
+
+
+def check_fits(path: str, context: int | None, max_prompt_tokens: int, new_tokens: dict) -> None:
+    """ModelError when ``max_prompt_tokens`` plus any value of ``new_tokens`` (the key or flag that set
+    it -> its value, None: unset) exceeds ``context`` (None: the model names no limit)."""
     if not context:
         return
-    for key, new in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-                     ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        if new is not None and cfg.task.max_prompt_tokens + new > context:
+    for key, new in new_tokens.items():
+        if new is not None and max_prompt_tokens + new > context:
             raise ModelError(
-                f"task.max_prompt_tokens={cfg.task.max_prompt_tokens} + {key}={new} = "
-                f"{cfg.task.max_prompt_tokens + new} tokens exceed the context of {path!r} "
+                f"task.max_prompt_tokens={max_prompt_tokens} + {key}={new} = "
+                f"{max_prompt_tokens + new} tokens exceed the context of {path!r} "
                 f"(max_position_embeddings={context}); lower task.max_prompt_tokens to at most "
                 f"{max(context - new, 0)}" + (f" or {key}" if new < context else f" and {key} below {context}"))
 
