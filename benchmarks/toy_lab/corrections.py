@@ -35,28 +35,14 @@ import torch
 from benchmarks.toy_lab import long_task, warmstart
 from benchmarks.toy_lab.run import LONG_SIZE, RESULTS, LabSize, _cpu_s, dump_json, machine, run_one
 
-RELAXED = "grpo-stale-relaxed"
-METHODS = {
-    # name: (preset, overrides). Every correction sits on grpo-stale-relaxed (clip [0, 5], no veto), so
-    # the row isolates it.
-    "icepop": (RELAXED, ["loss.behavior_logprobs=trainer", "loss.correction=icepop"]),
-    "mu-grpo": ("mu-grpo", []),
-    RELAXED: (RELAXED, []),
-    "opsm": (RELAXED, ["loss.correction=opsm"]),
-    "cispo": (RELAXED, ["loss.correction=cispo"]),
-    "m2po": ("m2po", []),
-    "gspo": (RELAXED, ["loss.ratio_level=sequence", "loss.clip_eps_low=3e-4", "loss.clip_eps_high=4e-4"]),
-    "mis_token": (RELAXED, ["loss.correction=mis_token"]),
-    "mis_sequence": (RELAXED, ["loss.correction=mis_sequence"]),
-}
-"""GSPO with its paper's clip on the sequence ratio (arXiv 2507.18071: 3e-4 / 4e-4)."""
+from benchmarks.corrections_grid import METHODS, SOURCE
+
 COMMON = ["task.max_prompt_tokens=256"]
 """For every run: the 1M-parameter model has 512 positions, and prompt (~30 tokens here) + 127 new tokens
 must fit (the context check at start); no prompt comes near 256, so nothing is truncated or skipped."""
 OWN_DATA = {"grpo": ("grpo", [])}
 """Reference runs that generate their own stages (grpo refreshes every 4 updates, so it cannot replay
 one stage of 64); only with ``--only grpo``."""
-SOURCE = "icepop"
 OUT = RESULTS / "toy_lab_corrections.json"
 
 
