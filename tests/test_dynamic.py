@@ -202,7 +202,15 @@ def test_assemble_takes_the_kept_groups_across_rounds_in_order():
     assert data.behavior_logprobs == [[-2.5], [-3.5], [-0.5], [-1.5], [-4.5], [-5.5]]
     assert data.rewards.tolist() == [0.0, 1.0, 1.0, 0.0, 0.5, 0.0]
     assert data.advantages.tolist() == [-0.5, 0.5, 0.5, -0.5, 0.25, -0.25]
-    assert data.group_size == 2 and data.trainer_logprobs is None
+    assert data.group_size == 2 and data.trainer_logprobs is None and data.turns is None
+
+
+def test_assemble_keeps_the_turns_of_an_environment_stage():
+    a, b = _round(0, [[1.0, 0.0]]), _round(10, [[0.0, 0.0], [0.0, 1.0]])
+    a.turns, b.turns = [[0], [1]], [[2], [3], [4], [5]]  # one marker per sequence, to follow them
+    assert assemble([a, b], [0, 2]).turns == [[0], [1], [4], [5]]
+    b.turns = None  # a round without turns (never mixed in practice): no turns rather than a wrong mix
+    assert assemble([a, b], [0, 2]).turns is None
 
 
 def test_round_files_round_trip(tmp_path):
@@ -293,6 +301,9 @@ def test_generate_in_rounds_keeps_exactly_the_informative_groups(tmp_path):
     assert record["first_error"] is None
     assert sum_records([{"c": [1, 2], "e": None}, {"c": [3, 4], "e": "tb"}, {"c": [0, 1], "e": "later"}]) == {
         "c": [4, 7], "e": "tb"}
+    # an environment's counts, key by key; a key one round lacks counts 0 there
+    assert sum_records([{"env": {"env/num_done": 3.0, "env/calls": 1.0}}, {"env": {"env/num_done": 2.0}}]) == {
+        "env": {"env/calls": 1.0, "env/num_done": 5.0}}
 
 
 def test_generate_in_rounds_resumes_between_rounds(tmp_path):

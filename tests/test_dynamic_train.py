@@ -1,7 +1,8 @@
 """Dynamic sampling in the whole loop, on the tiny model: it keeps exactly informative groups, one
 round without over-generation is bitwise today's run, a kill between (or inside) rounds resumes
 bitwise, a stage with nothing informative goes on, it works with grpo refreshes and adaptive stages,
-and bad values stop at start."""
+bad values stop at start, and with an environment it keeps informative trajectory groups and
+resumes bitwise between rounds."""
 import subprocess
 import sys
 
@@ -162,8 +163,37 @@ def test_plan_shows_it():
     assert off_rows["dynamic sampling"] == "off" and "round 0 draws" not in off_rows
 
 
-def test_dynamic_sampling_with_an_environment_is_refused():
-    # A multi-turn stage is generated in one round (training/env_stage.py): refused, naming the keys.
-    with pytest.raises(ConfigError, match=r"rollout\.dynamic_sampling=true with an environment \(task\.env"):
-        load_config("mu-grpo", overrides=["rollout.dynamic_sampling=true", "task.env=calculator"])
-    load_config("mu-grpo", overrides=["rollout.dynamic_sampling=false", "task.env=calculator"])  # accepted
+def test_dynamic_sampling_with_an_environment_keeps_informative_trajectory_groups(tmp_path, tiny_model_dir):
+    """A multi-turn stage generated in rounds: every kept group of trajectories is informative, the
+    turns are kept with the data, and the environment's counts cover every trajectory of every round."""
+    from mugrpo.rollout.multiturn import END_REASONS
+
+    run = _train(tmp_path, tiny_model_dir, "env", *ON, "rollout.dynamic_oversample=1", "task.env=multiturn_envs:TryAgain",
+                 "rollout.max_new_tokens=12", "task.reward_fn=sparse_rewards:never")
+    for record in _stages(run):
+        data = StageData.load(run / "stages" / f"stage_{record['stage']:03d}" / "rollouts_rank0.safetensors")
+        assert data.turns is not None and any(k > 0 for t in data.turns for k in t)  # several policy turns kept
+        informative = ~zero_variance_groups(data.rewards.view(-1, 4))
+        found = record["stage/num_informative_groups"]
+        assert int(informative.sum()) == min(found, 32) and data.num_groups == 32  # short: filled up
+        generated = sum(record[f"env/num_{reason}"] for reason in END_REASONS)
+        assert generated == record["stage/num_sequences"] + record["stage/num_extra_sequences"] > 32 * 4
+    assert sum(r["stage/num_rounds"] for r in _stages(run)) > 2  # the premise: more than one round was needed
+
+def test_an_environment_stage_killed_between_rounds_resumes_bitwise(tmp_path, tiny_model_dir):
+    env_on = ["rollout.dynamic_oversample=1", "task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12",
+              "task.reward_fn=sparse_rewards:never"]
+    runs = {}
+    for name, die_at in (("reference", None), ("killed", "round:1")):
+        runs[name] = tmp_path / name
+        r = subprocess.run(_cmd(runs[name], tiny_model_dir, *env_on), env=_env(die_at), capture_output=True, text=True)
+        assert r.returncode == (-9 if die_at else 0), r.stderr[-3000:]
+    assert (runs["killed"] / "stages" / "stage_000" / "rounds").is_dir()  # died with round 0 on disk
+    resumed = subprocess.run([sys.executable, "-m", "mugrpo", "train", "--resume", str(runs["killed"])], env=_env(),
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ref, got = _params(runs["reference"]), _params(runs["killed"])
+    assert all(ref[k].equal(got[k]) for k in ref)
+    keys = ("stage/num_rounds", "stage/num_extra_sequences", "env/num_done", "env/num_turn_limit", "env/turns_mean")
+    assert [[r[k] for k in keys] for r in _stages(runs["killed"])] == [[r[k] for k in keys]
+                                                                       for r in _stages(runs["reference"])]

@@ -25,10 +25,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.activation_checkpointing and model.gradient_checkpointing are both true; they "
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
-    if cfg.rollout.dynamic_sampling and (cfg.task.env or cfg.task.tools):
-        raise ConfigError("rollout.dynamic_sampling=true with an environment (task.env / task.tools) is not "
-                          "supported: a multi-turn stage is generated in one round. Set "
-                          "rollout.dynamic_sampling=false, or train without the environment")
     stage_shape(cfg.schedule, cfg.rollout)
     _warn_warmup(cfg.optim, cfg.schedule)
 

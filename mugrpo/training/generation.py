@@ -18,7 +18,6 @@ import torch
 
 from mugrpo.algo.adaptive import stage_length
 from mugrpo.algo.advantages import group_advantages, zero_variance_groups
-from mugrpo.errors import ConfigError
 from mugrpo.rollout.engines import SamplingConfig, weights_loaded
 from mugrpo.rollout.multiturn import LoopLimits, finalize_counts
 from mugrpo.rollout.rewards import per_reward_counts, per_reward_metrics
@@ -58,13 +57,12 @@ class GenerationPhase:
                 data, record, dynamic_metrics = self._generate_rounds(stage_dir, stopper)
             else:
                 drawn = self._draw(0, self.plan.prompts_per_stage)
-                # An environment renders (and length-checks) its own prompts.
-                prompts = self._tokenise(drawn) if self.env_factory is None else (drawn, [])
-                data, record = self._generate_scored(0, *prompts, len(drawn), stopper)
+                data, record = self._generate_scored(0, *self._prompts(drawn), len(drawn), stopper)
                 dynamic_metrics = {}
         t_gen = time.perf_counter()
         data, stats = self._filter(data)
-        env = record.get("env", {})
+        # An environment's loop counts: summed over the rounds (if any), then over ranks.
+        env = finalize_counts(dist.sum_named_over_ranks(record["env_counts"])) if "env_counts" in record else {}
         t_score = time.perf_counter()
         if self.step.loss.behavior_logprobs == "trainer":
             data = tis.recompute_trainer_logprobs(self.policy, data, self.step, dist.train_device(self.world))
@@ -122,7 +120,7 @@ class GenerationPhase:
 
         env_stage = None
         if self.env_factory is not None:  # multi-turn: the trajectories of G environments per item
-            env_stage = self._generate_trajectories(indices, sampling, on_batch)
+            env_stage = self._generate_trajectories(round_index, indices, sampling, on_batch)
             indices, prompts = env_stage.indices, env_stage.prompts
         else:
             completions = self.engine.generate(prompts, sampling, progress=on_batch)
@@ -151,17 +149,18 @@ class GenerationPhase:
         record = {"counts": [float(c) for c in counts], "num_prompts": len(prompts), "num_drawn": num_drawn,
                   "num_new_tokens": num_new, "generate_s": t_gen - t0, "score_s": time.perf_counter() - t_gen,
                   "first_error": score_stats.first_error}
-        if env_stage:  # summed over ranks here: an environment stage is generated in one round
-            record["env"] = finalize_counts(dist.sum_named_over_ranks(env_stage.counts))
+        if env_stage:  # this rank's, summed over rounds and then ranks by load_or_generate_stage
+            record["env_counts"] = env_stage.counts
         return data, record
 
-    def _generate_trajectories(self, indices: list[int], sampling: SamplingConfig, on_batch) -> EnvStage:
-        """The stage's multi-turn trajectories: G environments per item, turn by turn."""
+    def _generate_trajectories(self, round_index: int, indices: list[int], sampling: SamplingConfig, on_batch
+                               ) -> EnvStage:
+        """The stage's (or the round's) multi-turn trajectories: G environments per item, turn by turn."""
         cfg = self.cfg
         limits = LoopLimits(max_turns=cfg.env.max_turns, max_response_tokens=cfg.rollout.max_new_tokens,
                             max_context=getattr(self.policy.config, "max_position_embeddings", None),
                             step_timeout_s=cfg.env.step_timeout_s, max_workers=cfg.env.max_workers)
-        reset_seed = seeds.env_reset(cfg.train.seed, self.state.stage, self.world.rank)
+        reset_seed = seeds.env_reset(cfg.train.seed, self.state.stage, self.world.rank, round_index)
         return generate_env_stage(self.engine, self.env_factory, self.task, self.tokenizer, cfg.task, indices,
                                   sampling, limits, reset_seed, progress=on_batch)
 
@@ -169,14 +168,11 @@ class GenerationPhase:
         """The stage's groups generated in rounds, the informative ones kept (dynamic sampling,
         :mod:`mugrpo.training.dynamic`, :mod:`mugrpo.training.rounds`); also its record and metrics."""
         cfg, plan, state, world = self.cfg, self.plan, self.state, self.world
-        if self.env_factory is not None:  # an environment given from Python, after the config's own check
-            raise ConfigError("rollout.dynamic_sampling=true with an environment is not supported: a multi-turn "
-                              "stage is generated in one round. Set rollout.dynamic_sampling=false")
         planned = stage_length(plan.updates_per_stage, plan.total_updates, state.update - state.update_in_stage)
         needed = dynamic.groups_needed(plan.prompts_per_stage, plan.prompts_per_update, planned) // world.size
 
         def one_round(round_index: int, drawn: list[int]) -> tuple[StageData, dict]:
-            return self._generate_scored(round_index, *self._tokenise(drawn), len(drawn), stopper)
+            return self._generate_scored(round_index, *self._prompts(drawn), len(drawn), stopper)
 
         def sum_over_ranks(values: list[float]) -> list[float]:
             return dist.sum_over_ranks(torch.tensor(values, dtype=torch.float64)).tolist()
@@ -242,6 +238,11 @@ class GenerationPhase:
         return dist.generation_share(
             dynamic.draw_slice(lambda n: self.task.sample(n, torch.Generator().manual_seed(seed)), offset, count),
             self.world)
+
+    def _prompts(self, indices: list[int]) -> tuple[list[int], list]:
+        """What :meth:`_generate_scored` takes for these items: their tokenised prompts (:meth:`_tokenise`),
+        or none with an environment, which renders (and length-checks) its own."""
+        return self._tokenise(indices) if self.env_factory is None else (indices, [])
 
     def _tokenise(self, indices: list[int]) -> tuple[list[int], list]:
         """The items' prompts, tokenised, the length rule applied: (the indices kept, their prompts)."""

@@ -68,6 +68,7 @@ def assemble(rounds: Sequence[StageData], kept: Sequence[int]) -> StageData:
     picked = [by_group[i] for i in kept]
     seqs = [(part, g * G + j) for part, g in picked for j in range(G)]
     with_trainer = all(part.trainer_logprobs is not None for part in rounds)
+    with_turns = all(part.turns is not None for part in rounds)  # an environment's stage
 
     def rows(name: str) -> torch.Tensor:
         return torch.stack([getattr(part, name)[s] for part, s in seqs]) if seqs else getattr(rounds[0], name)[:0]
@@ -75,7 +76,8 @@ def assemble(rounds: Sequence[StageData], kept: Sequence[int]) -> StageData:
     return StageData([part.prompts[g] for part, g in picked], [part.responses[s] for part, s in seqs],
                      [part.behavior_logprobs[s] for part, s in seqs], rows("rewards"), rows("advantages"),
                      rows("finished"), [part.item_indices[g] for part, g in picked], G,
-                     trainer_logprobs=[part.trainer_logprobs[s] for part, s in seqs] if with_trainer else None)
+                     trainer_logprobs=[part.trainer_logprobs[s] for part, s in seqs] if with_trainer else None,
+                     turns=[part.turns[s] for part, s in seqs] if with_turns else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,8 +124,9 @@ def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_r
 
 
 def sum_records(records: Sequence[dict]) -> dict:
-    """The rounds' records as one: numbers summed, lists of numbers summed element by element,
-    anything else (e.g. a first traceback) the first round's that has it."""
+    """The rounds' records as one: numbers summed, lists of numbers summed element by element, dicts
+    of numbers (an environment's counts) summed key by key, anything else (e.g. a first traceback)
+    the first round's that has it."""
     out: dict = {}
     for record in records:
         for key, value in record.items():
@@ -131,6 +134,9 @@ def sum_records(records: Sequence[dict]) -> dict:
                 out[key] = out.get(key, 0) + value
             elif isinstance(value, list):
                 out[key] = [a + b for a, b in zip(out[key], value)] if key in out else list(value)
+            elif isinstance(value, dict):  # a key missing from a round counts 0 there
+                seen = out.get(key, {})
+                out[key] = {k: seen.get(k, 0) + value.get(k, 0) for k in sorted({*seen, *value})}
             elif out.get(key) is None:
                 out[key] = value
     return out

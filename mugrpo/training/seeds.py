@@ -47,7 +47,10 @@ def eval_sampling(seed: int) -> int:
     return derive(seed, "eval-sampling")
 
 
-def env_reset(seed: int, stage: int, rank: int) -> int:
+def env_reset(seed: int, stage: int, rank: int, round_index: int = 0) -> int:
     """The seeds environments are reset with in a stage on one rank (each member of each group
-    derives its own from it: :func:`mugrpo.rollout.envs.start.reset_seed`)."""
-    return derive(seed, "env-reset", stage, rank)
+    derives its own from it: :func:`mugrpo.rollout.envs.start.reset_seed`); in round ``round_index``
+    of a stage with dynamic sampling, round 0's being the stage's own."""
+    if round_index == 0:
+        return derive(seed, "env-reset", stage, rank)
+    return derive(seed, "env-reset-round", stage, rank, round_index)
