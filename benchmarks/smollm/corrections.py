@@ -3,7 +3,8 @@
     # one driver per seed (each one torch thread); results rewritten after every run, finished runs skipped
     PYTHONPATH=. OMP_NUM_THREADS=1 nohup .venv-vllm/bin/python -m benchmarks.smollm.corrections run --seeds 0 \
         --out benchmarks/results/smollm_corrections_s0.json > corrections_s0.log 2>&1 &
-    # merge the parts, write the summary, the table and the figure
+    # merge the parts, write the summary, the table and the figure (or redraw them from the committed results:
+    # report benchmarks/results/smollm_corrections.json)
     PYTHONPATH=. .venv/bin/python -m benchmarks.smollm.corrections report benchmarks/results/smollm_corrections_s*.json
 
 Setting: the long worked answers of docs/BENCHMARKS.md section 2b (:mod:`benchmarks.smollm.long_cot`:
@@ -266,7 +267,9 @@ def plot(result: dict, path: Path) -> Path:
 def report(args) -> dict:
     parts = [json.loads(Path(p).read_text()) for p in args.parts]
     result = {**parts[0], "runs": {k: v for p in parts for k, v in p["runs"].items()},
-              "commands": [p["command"] for p in parts], "machines": [p["machine"] for p in parts]}
+              # a merged file may be a part again (the committed results are redrawn from themselves)
+              "commands": [c for p in parts for c in p.get("commands", [p["command"]])],
+              "machines": [m for p in parts for m in p.get("machines", [p["machine"]])]}
     result["sizing"]["seeds"] = sorted({r["seed"] for r in result["runs"].values()})
     result["summary"] = summarise(result)
     OUT.write_text(json.dumps(result, indent=1))
