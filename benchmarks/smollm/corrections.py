@@ -92,6 +92,21 @@ def _stat(values) -> dict | None:
                                     "values": values}
 
 
+def with_derived(updates: list[dict]) -> list[dict]:
+    """The run's update records with ``masked`` and ``clip_binds`` added (copies; the run is left as it is)."""
+    return [{**u, "masked": masked(u), "clip_binds": clip_binds(u)} for u in updates]
+
+
+def _update_mean(updates: list[dict], key: str) -> float | None:
+    """Mean of ``key`` over the updates that have it (None: no loss tokens in that update)."""
+    values = [u[key] for u in updates if u.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _final_eval(run: dict, key: str, update: int) -> float | None:
+    return next((e[key] for e in run["evals"] if e["update"] == update), None)
+
+
 def summarise(result: dict) -> dict:
     """Per (method, lr): final held-out greedy accuracy per seed, KL(pi_b || pi_theta) by quarter of the
     stage, the masked fraction (mean, last quarter), PPO clip and CISPO cap fractions; means over the
@@ -100,33 +115,25 @@ def summarise(result: dict) -> dict:
     for r in result["runs"].values():
         if r.get("complete"):
             groups.setdefault(f"{r['method']}@{r['lr']:g}", []).append(r)
-    mu = result["sizing"]["stale_mu"]
+    mu, last = result["sizing"]["stale_mu"], result["sizing"]["updates"]
     out = {}
     for key, rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["seed"])
-        for r in rs:
-            for u in r["updates"]:
-                u["masked"], u["clip_binds"] = masked(u), clip_binds(u)
-        finals = [next((e["greedy_acc"] for e in r["evals"] if e["update"] == result["sizing"]["updates"]), None)
-                  for r in rs]
+        ups = [with_derived(r["updates"]) for r in rs]
+
+        def by_quarter(k: str) -> list[dict | None]:
+            return [_stat([position_bins(u, k, mu)[q] for u in ups]) for q in range(4)]
+
         out[key] = {
             "method": rs[0]["method"], "lr": rs[0]["lr"], "num_seeds": len(rs), "seeds": [r["seed"] for r in rs],
-            "final_greedy_acc": _stat(finals),
-            "kl_by_quarter": [_stat([position_bins(r["updates"], "loss/kl_behavior", mu)[q] for r in rs])
-                              for q in range(4)],
-            "rho_neg_by_quarter": [_stat([position_bins(r["updates"], "loss/ratio_mean_neg", mu)[q] for r in rs])
-                                   for q in range(4)],
-            "masked_frac": _stat([statistics.fmean(v) if (v := [u["masked"] for u in r["updates"]
-                                                                if u["masked"] is not None]) else None for r in rs]),
-            "masked_frac_last_quarter": _stat([position_bins(r["updates"], "masked", mu)[-1] for r in rs]),
-            "ppo_clip_frac": _stat([statistics.fmean(v) if (v := [u["clip_binds"] for u in r["updates"]
-                                                                  if u["clip_binds"] is not None]) else None
-                                    for r in rs]),
-            "cispo_clipped_frac": _stat([statistics.fmean(v) if (v := [u["loss/cispo_clipped_frac"] for u in r["updates"]
-                                                                       if u.get("loss/cispo_clipped_frac") is not None])
-                                         else None for r in rs]),
-            "final_response_len": _stat([next((e["response_len_mean"] for e in r["evals"]
-                                               if e["update"] == result["sizing"]["updates"]), None) for r in rs]),
+            "final_greedy_acc": _stat([_final_eval(r, "greedy_acc", last) for r in rs]),
+            "kl_by_quarter": by_quarter("loss/kl_behavior"),
+            "rho_neg_by_quarter": by_quarter("loss/ratio_mean_neg"),
+            "masked_frac": _stat([_update_mean(u, "masked") for u in ups]),
+            "masked_frac_last_quarter": _stat([position_bins(u, "masked", mu)[-1] for u in ups]),
+            "ppo_clip_frac": _stat([_update_mean(u, "clip_binds") for u in ups]),
+            "cispo_clipped_frac": _stat([_update_mean(u, "loss/cispo_clipped_frac") for u in ups]),
+            "final_response_len": _stat([_final_eval(r, "response_len_mean", last) for r in rs]),
             "wall_s": _stat([r["wall_s"] for r in rs]),
         }
     initial = [e["greedy_acc"] for r in result["runs"].values() if r.get("generated") for e in r.get("evals", [])
@@ -240,13 +247,12 @@ def plot(result: dict, path: Path) -> Path:
     for ax, key, title in ((axes[1], "loss/kl_behavior", f"KL(pi_b || pi_theta), lr {hot:g}"),
                            (axes[2], "masked", f"tokens removed from the loss, lr {hot:g}")):
         for m in methods:
-            runs = [r for r in result["runs"].values() if r["method"] == m and r["lr"] == hot and r.get("complete")]
-            if not runs:
+            ups = [u for r in result["runs"].values() if r["method"] == m and r["lr"] == hot and r.get("complete")
+                   for u in with_derived(r["updates"]) if u.get(key) is not None]
+            if not ups:
                 continue
             pos = range(result["sizing"]["stale_mu"])
-            pts = [(p, statistics.fmean(v)) for p in pos
-                   if (v := [u[key] for r in runs for u in r["updates"] if u["update_in_stage"] == p
-                             and u.get(key) is not None])]
+            pts = [(p, statistics.fmean(v)) for p in pos if (v := [u[key] for u in ups if u["update_in_stage"] == p])]
             # running mean over 8 positions: half the updates carry no loss tokens
             ys = [statistics.fmean(y for _, y in pts[max(0, i - 7):i + 1]) for i in range(len(pts))]
             ax.plot([p for p, _ in pts], ys, color=colors[m], label=m, lw=1.2)
