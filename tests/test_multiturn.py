@@ -178,3 +178,12 @@ def test_a_timed_out_call_frees_its_slot():
     # One worker: a hung call times out after 0.2 s, then the next call still runs.
     results = run_calls([lambda: time.sleep(3), lambda: 42], max_workers=1, timeout_s=0.2)
     assert results[0].timed_out and not results[0].ok and results[1].value == 42
+
+
+def test_loop_limits_from_the_env_config_section():
+    from mugrpo.config import EnvConfig
+
+    env = EnvConfig(max_turns=2, tool_timeout_s=1.0, step_timeout_s=5.0, max_workers=3)
+    assert LoopLimits.from_config(env, 100, max_context=512) == LoopLimits(
+        max_turns=2, max_response_tokens=100, max_context=512, step_timeout_s=5.0, max_workers=3)
+    assert LoopLimits.from_config(env, 100).max_context is None  # evaluation passes no context

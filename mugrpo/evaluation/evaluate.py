@@ -85,9 +85,7 @@ class EnvEval:
         trajectory's budget."""
         if factory is None:
             return None
-        e = cfg.env
-        return cls(factory, LoopLimits(max_turns=e.max_turns, max_response_tokens=max_new_tokens,
-                                       step_timeout_s=e.step_timeout_s, max_workers=e.max_workers), task_cfg)
+        return cls(factory, LoopLimits.from_config(cfg.env, max_new_tokens), task_cfg)
 
 
 def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[int]], list[Item]]:

@@ -69,6 +69,13 @@ class LoopLimits:
     max_workers: int = 8
     """Environment steps running at once."""
 
+    @classmethod
+    def from_config(cls, env_cfg, max_response_tokens: int, max_context: Optional[int] = None) -> "LoopLimits":
+        """The limits a run's ``env`` config section sets (``env.max_turns``, ``env.step_timeout_s``,
+        ``env.max_workers``), with the trajectory's token budget and the model's context."""
+        return cls(max_turns=env_cfg.max_turns, max_response_tokens=max_response_tokens, max_context=max_context,
+                   step_timeout_s=env_cfg.step_timeout_s, max_workers=env_cfg.max_workers)
+
     def __post_init__(self):
         if not 1 <= self.max_turns <= MAX_TURNS:
             raise ValueError(f"max_turns must be in 1..{MAX_TURNS} (turns are stored as int8), got {self.max_turns}")

@@ -36,7 +36,6 @@ class GenerationPhase:
     ``cfg``, ``plan``, ``world``, ``policy``, ``engine``, ``task``, ``tokenizer``, ``env_factory``,
     ``run_dir``, ``state``, ``step``, ``progress`` and ``replay``)."""
 
-
     def load_or_generate_stage(self, stopper=None) -> tuple[StageData, dict]:
         """The stage's data and its generation-phase metrics: read back if persisted (resume), else
         sync -> generate -> score -> [recompute the behaviour log-probs with the trainer
@@ -157,9 +156,8 @@ class GenerationPhase:
                                ) -> EnvStage:
         """The stage's (or the round's) multi-turn trajectories: G environments per item, turn by turn."""
         cfg = self.cfg
-        limits = LoopLimits(max_turns=cfg.env.max_turns, max_response_tokens=cfg.rollout.max_new_tokens,
-                            max_context=getattr(self.policy.config, "max_position_embeddings", None),
-                            step_timeout_s=cfg.env.step_timeout_s, max_workers=cfg.env.max_workers)
+        limits = LoopLimits.from_config(cfg.env, cfg.rollout.max_new_tokens,
+                                        max_context=getattr(self.policy.config, "max_position_embeddings", None))
         reset_seed = seeds.env_reset(cfg.train.seed, self.state.stage, self.world.rank, round_index)
         return generate_env_stage(self.engine, self.env_factory, self.task, self.tokenizer, cfg.task, indices,
                                   sampling, limits, reset_seed, progress=on_batch)
