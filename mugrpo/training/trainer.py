@@ -437,11 +437,6 @@ def _layout_notes(policy, cfg: Config) -> list[str]:
     return notes + ([] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"])
 
 
-def _record(kind: str, state: RunState, t_start: float, metrics: dict, update_in_stage: int) -> dict:
-    return {"kind": kind, "stage": state.stage, "update": state.update, "update_in_stage": update_in_stage,
-            "time_s": time.perf_counter() - t_start, **metrics}
-
-
 def _configure_torch(cfg: Config) -> None:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
