@@ -46,7 +46,7 @@ MAXRSS = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).r
 
 
 def machine() -> dict:
-    from mugrpo.training.hardware import detect
+    from mugrpo.hardware import detect
 
     hw = detect()
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -154,7 +154,7 @@ def part_update(args) -> dict:
     from mugrpo.config import load_config
     from mugrpo.training.data import StageData
     from mugrpo.training.distributed import World
-    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan
     from mugrpo.training.trainer import RunState, Trainer

@@ -50,18 +50,17 @@ def run_variant(name: str, engine, tok, samples: int) -> dict:
     from mugrpo.config import TaskConfig
     from mugrpo.rollout.engines.base import SamplingConfig
     from mugrpo.rollout.envs.builtin import CalculatorEnvironment
-    from mugrpo.rollout.multiturn import LoopLimits, roll_out_items
+    from mugrpo.rollout.multiturn import LoopContext, LoopLimits, roll_out_items
     from mugrpo.rollout.tasks import Item, _math_verify
 
     instruction = EXAMPLE if name == "example_call" else INSTRUCTION
     env_cls = demo_environment(INSTRUCTION) if name == "demonstration" else CalculatorEnvironment
     items = [Item(q, a) for q, a in QUESTIONS]
     start = time.monotonic()
-    _, prompts, trajs = roll_out_items(engine, lambda: env_cls(max_turns=3), items,
-                                       SamplingConfig(n=samples, max_new_tokens=96, seed=0),
-                                       LoopLimits(max_turns=3, max_response_tokens=200), group_size=samples,
-                                       reset_seed=0, tokenizer=tok, task_cfg=TaskConfig(instruction=instruction,
-                                                                                        few_shot=[]))
+    ctx = LoopContext(engine, tok, LoopLimits(max_turns=3, max_response_tokens=200),
+                      TaskConfig(instruction=instruction, few_shot=[]))
+    _, prompts, trajs = roll_out_items(ctx, lambda: env_cls(max_turns=3), items,
+                                       SamplingConfig(n=samples, max_new_tokens=96, seed=0), reset_seed=0)
     flat = [item for item in items for _ in range(samples)]
     return {"variant": name, "num_trajectories": len(trajs), "prompt_tokens": [len(p) for p in prompts],
             "num_tool_calls": sum(t.metadata.get("tool_calls", 0) for t in trajs),

@@ -62,7 +62,7 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     from mugrpo.models import lora
     from mugrpo.config import load_config
     from mugrpo.training.distributed import World
-    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan
     from mugrpo.training.trainer import RunState, Trainer, build_optimizer
@@ -103,7 +103,7 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
 
 
 def machine() -> dict:
-    from mugrpo.training.hardware import detect
+    from mugrpo.hardware import detect
 
     hw = detect()
     return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": hw.native_bf16,

@@ -24,7 +24,7 @@ from mugrpo.models.tiny import build_tiny_model
 from mugrpo.rollout.engines.base import SamplingConfig
 from mugrpo.rollout.engines.hf import HFEngine
 from mugrpo.rollout.envs.base import Environment, StepResult
-from mugrpo.rollout.multiturn import LoopLimits, loop_metrics, run_trajectories
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, loop_metrics, run_trajectories
 
 
 class SleepyEnv(Environment):
@@ -45,10 +45,9 @@ class SleepyEnv(Environment):
 def stage(engine, tok, prompts, G, seconds, workers):
     envs = [SleepyEnv(seconds) for _ in range(len(prompts) * G)]
     t0 = time.perf_counter()
-    trajs = run_trajectories(engine, prompts, envs, SamplingConfig(max_new_tokens=64, seed=0),
-                             LoopLimits(max_turns=3, max_response_tokens=256, max_workers=workers),
-                             render_env_turn=lambda m, eos: tok("\nu:again\na:")["input_ids"],
-                             decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos=[tok.eos_token_id])
+    ctx = LoopContext(engine, tok, LoopLimits(max_turns=3, max_response_tokens=256, max_workers=workers),
+                      render_env_turn=lambda m, eos: tok("\nu:again\na:")["input_ids"], eos=[tok.eos_token_id])
+    trajs = run_trajectories(ctx, prompts, envs, SamplingConfig(max_new_tokens=64, seed=0))
     return time.perf_counter() - t0, loop_metrics(trajs)
 
 

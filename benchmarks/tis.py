@@ -65,21 +65,22 @@ def offline_mismatch(run_dir: Path) -> dict:
     from mugrpo.training import tis
     from mugrpo.training.trainer import step_settings
     from mugrpo.training.checkpoint import resume_config
-    from mugrpo.training.data import StageData, stage_dir
+    from mugrpo.run_dir import RunDir
+    from mugrpo.training.data import StageData
     from mugrpo.training.distributed import World
-    from mugrpo.training.hardware import detect, resolve
+    from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
 
     cfg = resume_config(run_dir, [])
     policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    data = StageData.load(stage_dir(run_dir, 0) / "rollouts_rank0.safetensors")
+    data = StageData.load(RunDir(run_dir).stage(0) / "rollouts_rank0.safetensors")
     t = time.perf_counter()
     data = tis.recompute_trainer_logprobs(policy, data, step_settings(cfg, resolved), torch.device("cpu"))
     seconds = time.perf_counter() - t
     trainer_cfg = cfg
     trainer_cfg.loss.behavior_logprobs = "trainer"
-    return {**tis.stage_metrics(data, step_settings(trainer_cfg, resolved), World(), stage_dir(run_dir, 0)), "perf/recompute_s": seconds,
+    return {**tis.stage_metrics(data, step_settings(trainer_cfg, resolved), World(), RunDir(run_dir).stage(0)), "perf/recompute_s": seconds,
             "trainer_precision": resolved.autocast}
 
 
@@ -90,13 +91,14 @@ def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
     even against the trainer's own recompute."""
     from mugrpo.training.batching import micro_batches, sequences_to_train
     from mugrpo.training.checkpoint import resume_config
-    from mugrpo.training.data import StageData, collate, stage_dir
+    from mugrpo.run_dir import RunDir
+    from mugrpo.training.data import StageData, collate
     from mugrpo.training.forward import response_logprobs, shared_prefix_support
     from mugrpo.models.loading import load_policy, resolve_model_path
 
     cfg = resume_config(run_dir, [])
     policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
-    data = StageData.load(stage_dir(run_dir, 0) / "rollouts_rank0.safetensors")
+    data = StageData.load(RunDir(run_dir).stage(0) / "rollouts_rank0.safetensors")
     seqs = sequences_to_train(data, list(range(num_groups * data.group_size)), True)
     _, mask_dtype, _ = shared_prefix_support(policy)
     out = {"num_sequences": len(seqs)}
@@ -138,7 +140,7 @@ def stored_mismatch(run_dir: Path) -> dict:
 
 
 def summarize(seconds: dict) -> dict:
-    from mugrpo.training.hardware import detect
+    from mugrpo.hardware import detect
     from mugrpo.observability.loggers import read_metrics
 
     hw = detect()

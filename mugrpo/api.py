@@ -45,7 +45,7 @@ class TrainResult:
 
     def metrics(self, kind: Optional[str] = None) -> list[dict]:
         """The records of ``metrics.jsonl`` (``kind``: ``update``, ``stage`` or ``eval`` only)."""
-        from mugrpo.training.run_dir import RunDir
+        from mugrpo.run_dir import RunDir
 
         path = RunDir(self.run_dir).metrics
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

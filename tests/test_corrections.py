@@ -252,7 +252,7 @@ def test_splitting_the_batch_gives_the_same_gradient(name):
 # --- through the registry and the loss ------------------------------------------------------------------
 
 def test_policy_loss_applies_the_configured_correction_and_logs_it():
-    from mugrpo.algo.losses import LossSettings, policy_loss
+    from mugrpo.algo.losses import LossInputs, LossSettings, policy_loss
     from mugrpo.config import LossConfig
 
     # the OPSM case above through policy_loss (relaxed clip, no veto): sequence 0 (A = -1, k1 0.375) masked;
@@ -260,23 +260,21 @@ def test_policy_loss_applies_the_configured_correction_and_logs_it():
     lp = t([[-1.25, -2.5], [-1.25, -2.5]], requires_grad=True)
     engine = t([[-1.0, -2.0], [-1.0, -2.0]])
     settings = LossSettings.from_config(LossConfig(veto_scope="none", correction="opsm", opsm_delta=0.1), 2)
-    loss, metrics = policy_loss(lp, engine, t([-1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), settings,
-                                denominator=4.0)
+    loss, metrics = policy_loss(LossInputs(lp, engine, t([-1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), 4.0), settings)
     assert float(loss.detach()) == pytest.approx(-0.346333, abs=1e-6)
     assert frac(metrics["loss/opsm_masked_seq_frac"]) == 0.5
     assert frac(metrics["loss/correction_masked_frac"]) == 0.5
     # correction "none": both sequences count, -(0.778801 + 0.606531) / 4 from sequence 1 plus
     # sequence 0 (A = -1, rho as above): +(0.778801 + 0.606531) / 4 -> 0
     settings = LossSettings.from_config(LossConfig(veto_scope="none"), 2)
-    loss, metrics = policy_loss(lp, engine, t([-1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), settings,
-                                denominator=4.0)
+    loss, metrics = policy_loss(LossInputs(lp, engine, t([-1.0, 1.0]), torch.ones(2, 2, dtype=torch.bool), 4.0), settings)
     assert float(loss.detach()) == pytest.approx(0.0, abs=1e-6) and "loss/correction_masked_frac" not in metrics
 
 
 def test_a_new_correction_is_one_registration():
     # what adding a correction takes: a function returning a Correction, registered by name; the config
     # accepts the name and the loss applies it (here: keep only the first token of every response)
-    from mugrpo.algo.losses import LossSettings, policy_loss
+    from mugrpo.algo.losses import LossInputs, LossSettings, policy_loss
     from mugrpo.algo.registries import CORRECTIONS
     from mugrpo.config import LossConfig
     from mugrpo.errors import ConfigError
@@ -294,8 +292,7 @@ def test_a_new_correction_is_one_registration():
         cfg.validate()
         lp = t([[-1.0, -1.0]], requires_grad=True)
         # rho = 1, A = 1: token losses -1, -1; only the first kept -> -1 / 2 tokens = -0.5
-        loss, metrics = policy_loss(lp, t([[-1.0, -1.0]]), t([1.0]), torch.ones(1, 2, dtype=torch.bool),
-                                    LossSettings.from_config(cfg, 2), denominator=2.0)
+        loss, metrics = policy_loss(LossInputs(lp, t([[-1.0, -1.0]]), t([1.0]), torch.ones(1, 2, dtype=torch.bool), 2.0), LossSettings.from_config(cfg, 2))
         assert float(loss.detach()) == pytest.approx(-0.5) and frac(metrics["loss/first_only_frac"]) == 0.5
     finally:
         CORRECTIONS._entries.pop("first_only")

@@ -5,9 +5,9 @@ all on hand-built cases with the arithmetic in the comments."""
 import pytest
 import torch
 
-from mugrpo.training import seeds
+from mugrpo import seeds
 from mugrpo.training.data import StageData, StageDataError
-from mugrpo.training.dynamic import (Rounds, draw_slice, first_round_size, groups_needed, informative_groups,
+from mugrpo.algo.dynamic import (Rounds, draw_slice, first_round_size, groups_needed, informative_groups,
                                      next_round_size, plan_rows, round_decision, run_rounds, select_groups)
 from mugrpo.training.rounds import assemble, load_round, remove_rounds, round_paths, save_round, sum_records
 
@@ -282,12 +282,12 @@ def _fake_generate(calls):
 
 
 def _phase(stage_dir, calls, after_round=lambda: None):
-    from mugrpo.training.rounds import generate_in_rounds
+    from mugrpo.training.rounds import Ranks, generate_in_rounds
 
     # 4 needed, oversample 1.5: round 0 = items 0-5 (informative 1, 4, 5: p = 3/6), 1 missing: round 1
     # draws ceil(1 / (3/6)) = 2 items, 6-7, none informative (p = 3/8); round 2 draws ceil(1 x 8 / 3) = 3,
     # items 8-10: 9 is the 4th. Kept: items 1, 4, 5, 9.
-    return generate_in_rounds(stage_dir, 0, 1, 4, 1.5, 5, lambda offset, size: list(range(offset, offset + size)),
+    return generate_in_rounds(stage_dir, Ranks(), 4, 1.5, 5, lambda offset, size: list(range(offset, offset + size)),
                               _fake_generate(calls), after_round=after_round)
 
 

@@ -11,7 +11,7 @@ from mugrpo.rollout.engines.base import SamplingConfig
 from mugrpo.rollout.engines.hf import HFEngine, left_pad
 from mugrpo.training.forward import response_logprobs
 from mugrpo.models.loading import load_policy, load_tokenizer
-from mugrpo.training.seeds import derive
+from mugrpo.seeds import derive
 
 
 def _prompts(tok):

@@ -1,4 +1,4 @@
-"""The <tool_call> protocol, the tool pool and the tool environments (mugrpo.rollout.envs.tools)."""
+"""The <tool_call> protocol, the call runner and the tool environments (mugrpo.rollout.envs.tools)."""
 
 import json
 import threading
@@ -6,8 +6,11 @@ import time
 
 import pytest
 
-from mugrpo.rollout.envs.tools import (COUNT_KEYS, FactoryEnvironment, ToolEnvironment, ToolPool, parse_tool_calls,
+from mugrpo.rollout.calls import CallRunner
+from mugrpo.rollout.engines.base import Completion, SamplingConfig
+from mugrpo.rollout.envs.tools import (COUNT_KEYS, FactoryEnvironment, ToolEnvironment, parse_tool_calls,
                                        protocol_text, tool_schemas)
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, run_trajectories
 from mugrpo.rollout.tasks import Item
 
 
@@ -171,16 +174,17 @@ def test_slow_calls_run_concurrently_in_the_pool():
             running[0] -= 1
         return f"slept {seconds}"
 
-    env = ToolEnvironment([nap_counted], timeout_s=10.0, pool=ToolPool(6))
+    env = ToolEnvironment([nap_counted], timeout_s=10.0, runner=CallRunner(6))
     result = env.step("".join(call("nap_counted", seconds=0.5) for _ in range(6)))
     assert [o["content"] for o in result.observations] == ["slept 0.5"] * 6
     assert peak[0] == 6
 
 
-def test_the_pool_bound_holds_and_queued_time_counts_toward_the_timeout():
-    # 1 worker, 3 calls of 0.4 s, timeout 1.0 s from submission: the first two finish (0.4, 0.8 s),
-    # the third would end at 1.2 s and times out.
-    pool, running, peak = ToolPool(1), [0], [0]
+def test_the_runner_bound_holds_and_each_call_is_timed_from_its_start():
+    # 1 worker, 3 calls of 0.4 s, timeout 1.0 s from each call's own start: they run one after
+    # another (peak 1) and all finish, the third 1.2 s after submission, since waiting for the slot
+    # does not count. A call of 3 s with the same timeout is abandoned, the one queued behind it runs.
+    runner, running, peak = CallRunner(1), [0], [0]
     lock = threading.Lock()
 
     def work():
@@ -192,15 +196,18 @@ def test_the_pool_bound_holds_and_queued_time_counts_toward_the_timeout():
             running[0] -= 1
         return "ok"
 
-    outcomes = pool.run([work, work, work], timeout_s=1.0)
-    assert [kind for kind, _ in outcomes] == ["ok", "ok", "timeout"]
+    outcomes = runner.run([work, work, work], timeout_s=1.0)
+    assert [o.value for o in outcomes] == ["ok", "ok", "ok"] and all(o.ok for o in outcomes)
     assert peak[0] == 1
+    late = runner.run([lambda: time.sleep(3), work], timeout_s=1.0)
+    assert late[0].timed_out and late[1].value == "ok"
 
 
 def test_a_timed_out_call_gives_its_slot_back():
-    pool = ToolPool(1)
-    assert pool.run([lambda: time.sleep(3)], timeout_s=0.1) == [("timeout", None)]
-    assert pool.run([lambda: 7], timeout_s=1.0) == [("ok", 7)]  # would time out if the slot were still held
+    runner = CallRunner(1)
+    first = runner.run([lambda: time.sleep(3)], timeout_s=0.1)
+    assert first[0].timed_out and not first[0].ok
+    assert runner.run([lambda: 7], timeout_s=1.0)[0].value == 7  # would time out if the slot were still held
 
 
 def test_a_turn_without_a_call_is_the_final_answer():
@@ -210,12 +217,25 @@ def test_a_turn_without_a_call_is_the_final_answer():
 
 
 def test_a_call_never_ends_the_trajectory_the_turn_limit_does():
-    # max_turns is the loop's to enforce (it counts "turn_limit"); the environment only declares it.
-    env = ToolEnvironment([add], max_turns=2)
-    assert env.max_turns == 2
-    for _ in range(3):
-        result = env.step(call("add", a=1, b=1))
-        assert not result.done and result.observations[0]["content"] == "2"
+    # The environment declares max_turns = 2 and is never done while the model calls a tool; the
+    # rollout loop (which allows 4) must end the trajectory after exactly 2 policy turns, counted as
+    # "turn_limit", with the tool's result appended once, between the two turns.
+    class AlwaysCalls:
+        def generate(self, prompts, sampling, progress=None, max_new_tokens=None):
+            return [[Completion([5], [-0.5], "stop") for _ in range(sampling.n)] for _ in prompts]
+
+    seen = []
+
+    def render(messages, ended_on_eos):
+        seen.append([m["content"] for m in messages])
+        return [7, 8]
+
+    ctx = LoopContext(AlwaysCalls(), None, LoopLimits(max_turns=4, max_response_tokens=64), render_env_turn=render,
+                      decode=lambda ids: call("add", a=1, b=1), eos=[2])
+    [t] = run_trajectories(ctx, [[1]], [ToolEnvironment([add], max_turns=2)], SamplingConfig(max_new_tokens=4))
+    assert (t.end_reason, t.num_turns) == ("turn_limit", 2)
+    assert seen == [["2"]] and t.response_ids == [5, 7, 8, 5] and t.turns == [0, -1, -1, 1]
+    assert t.metadata["tool_calls"] == 2.0 and t.metadata["tool_errors"] == 0.0
 
 
 def test_results_that_are_not_text_are_rendered():

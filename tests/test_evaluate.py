@@ -1,6 +1,6 @@
 """The evaluation runner with a scripted engine: scoring wiring, prompt limits, and the training cadence."""
 
-from types import SimpleNamespace
+import dataclasses
 
 import pytest
 import torch
@@ -8,7 +8,9 @@ import torch
 from mugrpo.config import load_config
 from mugrpo.training.distributed import World
 from mugrpo.rollout.engines import Completion
-from mugrpo.evaluation.evaluate import (EvalSettings, TrainingEvaluator, generate_and_score, render_prompts,
+from mugrpo.training.evaluator import TrainingEvaluator
+from mugrpo.training.samplers import RolloutParts
+from mugrpo.evaluation.evaluate import (EvalSettings, generate_and_score, render_prompts,
                              summarize_generations)
 from mugrpo.config.plan import make_plan
 from mugrpo.observability.progress import Progress
@@ -62,7 +64,7 @@ def _task(n_items=3):
 def test_generate_and_score_by_hand():
     task, items = _task()
     settings = EvalSettings(greedy=True, n=2, ks=(1, 2), max_new_tokens=8)
-    gen = generate_and_score(ScriptedEngine(), TOK, task, items, [[5]] * 3, settings, keep_text=True)
+    gen = generate_and_score(ScriptedEngine(), TOK, task, items, [[5]] * 3, dataclasses.replace(settings, keep_text=True))
     # greedy "11" != "1" -> 0 for every item
     # sampled: item 0 -> "1", "0"; item 1 -> "0", "10"; item 2 -> "10", "00000000"
     assert gen.greedy == [0.0, 0.0, 0.0]
@@ -111,9 +113,8 @@ def _simulate(overrides):
             logged.append(record)
 
     engine = ScriptedEngine()
-    ev = TrainingEvaluator(SimpleNamespace(cfg=cfg, plan=plan, task=task, tokenizer=TOK, engine=engine,
-                                           policy=torch.nn.Linear(2, 2), logger=Logger(), world=World(),
-                                           progress=Progress(enabled=False), t_start=0.0))
+    ev = TrainingEvaluator(cfg, plan, World(), RolloutParts(engine, task, TOK), torch.nn.Linear(2, 2), Logger(),
+                           Progress(enabled=False), clock=lambda: 0.0)
     stage_s = []
     ev.maybe_run(_State(0, 0, 0))
     update = 0

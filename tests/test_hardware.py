@@ -2,7 +2,7 @@
 import pytest
 
 from mugrpo.config import load_config
-from mugrpo.training.hardware import Hardware, detect, resolve
+from mugrpo.hardware import Hardware, detect, resolve
 from mugrpo.config.plan import format_plan, make_plan
 
 AVX512_BF16 = Hardware("cpu", "AVX512", native_bf16=True, vllm_available=True)

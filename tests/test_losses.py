@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mugrpo.config import LossConfig
-from mugrpo.algo.losses import LossSettings, aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau, policy_loss
+from mugrpo.algo.losses import (LossInputs, LossSettings, aggregate, clipped_surrogate, finalize_metrics, k3, m2po_tau,
+                                policy_loss)
 from mugrpo.algo.veto import veto_mask
 
 LOG_DELTA = math.log(1e-4)  # -9.21
@@ -15,8 +16,7 @@ def loss_of(logprobs, behavior, adv, mask, *, denominator, ref_logprobs=None, en
             **options):
     """policy_loss with the config's defaults (the relaxed Mu-GRPO loss) and ``options`` on top."""
     settings = LossSettings.from_config(LossConfig(**options), seq_len_norm)
-    return policy_loss(logprobs, behavior, adv, mask, settings, denominator=denominator, ref_logprobs=ref_logprobs,
-                       entropy=entropy)
+    return policy_loss(LossInputs(logprobs, behavior, adv, mask, denominator, ref_logprobs=ref_logprobs, entropy=entropy), settings)
 
 def lr(*ratios):
     return torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float32)
@@ -289,15 +289,15 @@ def test_truncated_importance_weights_scale_the_surrogate_by_hand():
     weights = torch.tensor([[0.5, 2.0], [1.5, 0.1]], requires_grad=True)
     adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 2, dtype=torch.bool)
     settings = LossSettings.from_config(LossConfig(veto_scope="none"), 1)
-    loss, metrics = policy_loss(logprobs, behavior, adv, mask, settings, denominator=4.0, is_weights=weights)
+    loss, metrics = policy_loss(LossInputs(logprobs, behavior, adv, mask, 4.0, is_weights=weights), settings)
     torch.testing.assert_close(loss, torch.tensor(-0.3625))
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.25, -0.5], [0.375, 0.0125]]))
     assert weights.grad is None  # the weight is a detached constant
     # Unit weights: bit-identical to no weights, loss and gradient.
     x1, x2 = (logprobs.detach().clone().requires_grad_(True) for _ in range(2))
-    plain, _ = policy_loss(x1, behavior, adv, mask, settings, denominator=4.0)
-    ones, _ = policy_loss(x2, behavior, adv, mask, settings, denominator=4.0, is_weights=torch.ones(2, 2))
+    plain, _ = policy_loss(LossInputs(x1, behavior, adv, mask, 4.0), settings)
+    ones, _ = policy_loss(LossInputs(x2, behavior, adv, mask, 4.0, is_weights=torch.ones(2, 2)), settings)
     plain.backward()
     ones.backward()
     assert plain.item() == ones.item() and x1.grad.equal(x2.grad)
@@ -307,7 +307,6 @@ def test_truncated_importance_weight_leaves_zero_advantage_tokens_inert():
     # A = 0: surrogate -min(rho * 0, clip(rho) * 0) = 0, times any weight is still 0, gradient 0.
     logprobs = torch.tensor([[0.3, -0.2]], requires_grad=True)
     settings = LossSettings.from_config(LossConfig(), 1)
-    loss, _ = policy_loss(logprobs, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool),
-                          settings, denominator=2.0, is_weights=torch.tensor([[2.0, 0.1]]))
+    loss, _ = policy_loss(LossInputs(logprobs, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), 2.0, is_weights=torch.tensor([[2.0, 0.1]])), settings)
     loss.backward()
     assert loss.item() == 0.0 and not logprobs.grad.any()

@@ -7,8 +7,8 @@ import pytest
 
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.base import Environment, StepResult
-from mugrpo.rollout.multiturn import LoopLimits, loop_metrics, run_trajectories
-from mugrpo.rollout.steps import run_calls
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, loop_metrics, run_trajectories
+from mugrpo.rollout.calls import run_calls
 
 EOS = 2
 
@@ -69,8 +69,8 @@ def decode(ids):
 
 
 def run(engine, prompts, envs, limits=LoopLimits(max_turns=4, max_response_tokens=64)):
-    return run_trajectories(engine, prompts, envs, SamplingConfig(max_new_tokens=16, seed=5), limits,
-                            render_env_turn=render, decode=decode, eos=[EOS])
+    ctx = LoopContext(engine, None, limits, render_env_turn=render, decode=decode, eos=[EOS])
+    return run_trajectories(ctx, prompts, envs, SamplingConfig(max_new_tokens=16, seed=5))
 
 
 def test_hand_built_trajectories_keep_sampled_ids_and_env_ids_exactly():

@@ -8,7 +8,7 @@ from mugrpo.models.loading import load_policy, load_tokenizer
 from mugrpo.rollout.engines.base import SamplingConfig
 from mugrpo.rollout.engines.hf import HFEngine, StopStrings
 from mugrpo.rollout.envs.base import Environment, StepResult
-from mugrpo.rollout.multiturn import LoopLimits, run_trajectories
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, run_trajectories
 from mugrpo.training.batching import micro_batches
 from mugrpo.training.data import StageData, collate
 from mugrpo.training.forward import response_logprobs
@@ -109,9 +109,9 @@ def test_multi_turn_trajectories_are_token_exact_and_recompute_to_ratio_one(tiny
 
     prompts, G = _prompts(tok), 3
     envs = [Feedback() for _ in range(len(prompts) * G)]
-    trajs = run_trajectories(engine, prompts, envs, SamplingConfig(temperature=temperature, max_new_tokens=12, seed=3),
-                             LoopLimits(max_turns=3, max_response_tokens=60), render_env_turn=render,
-                             decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos=[tok.eos_token_id])
+    ctx = LoopContext(engine, tok, LoopLimits(max_turns=3, max_response_tokens=60), render_env_turn=render,
+                      eos=[tok.eos_token_id])
+    trajs = run_trajectories(ctx, prompts, envs, SamplingConfig(temperature=temperature, max_new_tokens=12, seed=3))
     assert any(t.num_turns == 3 for t in trajs)  # some trajectories really are multi-turn
     # What the engine returned per trajectory, in the loop's order (turn 0: group-major; later
     # turns: the still-active trajectories in order).
@@ -177,10 +177,10 @@ def test_a_stage_of_calculator_trajectories_from_the_factory(tiny_model_dir):
     engine = Recording(_engine(tiny_model_dir, tok))
     engine.eos = engine.engine.eos
     items = [Item("1+1?", "2"), Item("2+3?", "5")]
-    kept, prompts, trajs = roll_out_items(
-        engine, CalculatorEnvironment, items, SamplingConfig(max_new_tokens=8, seed=0),
-        LoopLimits(max_turns=2, max_response_tokens=8), group_size=2, reset_seed=1, tokenizer=tok,
-        task_cfg=TaskConfig(instruction="", few_shot=[], system_prompt=""))
+    ctx = LoopContext(engine, tok, LoopLimits(max_turns=2, max_response_tokens=8),
+                      TaskConfig(instruction="", few_shot=[], system_prompt=""))
+    kept, prompts, trajs = roll_out_items(ctx, CalculatorEnvironment, items, SamplingConfig(n=2, max_new_tokens=8, seed=0),
+                                          reset_seed=1)
     assert kept == [0, 1] and len(prompts) == 2 and len(trajs) == 4
     assert tok.decode(prompts[1]).endswith("u:2+3?\na:") and '"name": "calculate"' in tok.decode(prompts[0])
     assert all(t.end_reason in ("done", "length") and t.turns == [0] * len(t.response_ids) for t in trajs)
@@ -207,10 +207,10 @@ def test_the_same_seed_gives_bitwise_the_same_trajectories_whatever_the_step_tim
 
     def once():
         envs = [Jittery() for _ in range(6)]
-        return run_trajectories(engine, _prompts(tok), envs, SamplingConfig(max_new_tokens=12, seed=9),
-                                LoopLimits(max_turns=3, max_response_tokens=60, max_workers=6),
-                                render_env_turn=lambda m, eos: tok(f"\nu:{m[0]['content']}\na:")["input_ids"],
-                                decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos=[tok.eos_token_id])
+        ctx = LoopContext(engine, tok, LoopLimits(max_turns=3, max_response_tokens=60, max_workers=6),
+                          render_env_turn=lambda m, eos: tok(f"\nu:{m[0]['content']}\na:")["input_ids"],
+                          eos=[tok.eos_token_id])
+        return run_trajectories(ctx, _prompts(tok), envs, SamplingConfig(max_new_tokens=12, seed=9))
 
     a, b = once(), once()
     assert any(t.num_turns > 1 for t in a)

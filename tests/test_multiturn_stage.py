@@ -1,5 +1,5 @@
-"""A stage generated through an environment (mugrpo.training.env_stage): what scoring needs (texts
-of the final policy turns, environment rewards, turns); the prompt-length rule."""
+"""A stage's round sampled through an environment (mugrpo.training.samplers.TrajectorySampler): what
+scoring needs (texts of the final policy turns, environment rewards, turns); the prompt-length rule."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.rollout.multiturn import LoopLimits
 from mugrpo.rollout.tasks import build_task
 from mugrpo.models.tiny import build_char_tokenizer
-from mugrpo.training.env_stage import generate_env_stage
+from mugrpo.training.samplers import RolloutParts, TrajectorySampler
 
 
 class Echo:
@@ -38,14 +38,20 @@ def _task(**kw):
     return cfg, build_task(cfg, rows=rows)
 
 
+def sample(engine, tok, task, cfg):
+    sampler = TrajectorySampler(RolloutParts(engine, task, tok, Bonus), cfg, LoopLimits(max_turns=2, max_response_tokens=8))
+    indices, prompts = sampler.prompts([0, 1])
+    return sampler.sample(indices, prompts, SamplingConfig(n=2, max_new_tokens=8), lambda n: None, reset_seed=0)
+
+
 def test_the_stage_carries_texts_env_rewards_turns_and_counts():
     tok = build_char_tokenizer()
     cfg, task = _task()
-    stage = generate_env_stage(Echo(tok), Bonus, task, tok, cfg, [0, 1], SamplingConfig(n=2, max_new_tokens=8),
-                               LoopLimits(max_turns=2, max_response_tokens=8), reset_seed=0)
+    stage = sample(Echo(tok), tok, task, cfg)
     assert stage.env_rewards.tolist() == [0.25] * 4
     assert stage.texts == ["ok"] * 4 and stage.turns == [[0, 0, 0]] * 4 and stage.finished.all()
-    assert stage.counts["env/num_done"] == 4 and stage.counts["env/reward_sum"] == 1.0 and stage.indices == [0, 1]
+    assert stage.env_counts["env/num_done"] == 4 and stage.env_counts["env/reward_sum"] == 1.0
+    assert stage.indices == [0, 1]
 
 
 def test_the_prompt_length_rule_applies_to_environment_prompts():
@@ -53,10 +59,8 @@ def test_the_prompt_length_rule_applies_to_environment_prompts():
     # "u:1\na:" is 6 tokens; the second item's prompt is longer than 10.
     cfg, task = _task(max_prompt_tokens=10, prompt_too_long="skip")
     engine = Echo(tok)
-    stage = generate_env_stage(engine, Bonus, task, tok, cfg, [0, 1], SamplingConfig(n=2, max_new_tokens=8),
-                               LoopLimits(max_turns=2, max_response_tokens=8), reset_seed=0)
-    assert stage.indices == [0] and len(stage.trajectories) == 2 and engine.prompts[0] == [tok("u:1\na:")["input_ids"]]
+    stage = sample(engine, tok, task, cfg)
+    assert stage.indices == [0] and len(stage.responses) == 2 and engine.prompts[0] == [tok("u:1\na:")["input_ids"]]
     cfg, task = _task(max_prompt_tokens=10, prompt_too_long="truncate")
     with pytest.raises(ValueError, match="truncate is not applied"):
-        generate_env_stage(Echo(tok), Bonus, task, tok, cfg, [0, 1], SamplingConfig(n=2, max_new_tokens=8),
-                           LoopLimits(max_turns=2, max_response_tokens=8), reset_seed=0)
+        sample(Echo(tok), tok, task, cfg)

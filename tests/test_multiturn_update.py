@@ -46,7 +46,7 @@ def test_the_update_is_the_gradient_of_the_policy_token_loss_over_the_policy_tok
     # lr 1). A normaliser counting env tokens too would scale the update by policy / all tokens.
     from conftest import TINY_OVERRIDES
 
-    from mugrpo.algo.losses import LossSettings, policy_loss
+    from mugrpo.algo.losses import LossInputs, LossSettings, policy_loss
     from mugrpo.config import load_config
     from mugrpo.models.loading import load_policy
     from mugrpo.training.data import collate
@@ -65,8 +65,7 @@ def test_the_update_is_the_gradient_of_the_policy_token_loss_over_the_policy_tok
     mb = collate(data, list(range(len(data.responses))), pad_id=0)
     assert int(mb.response_mask.sum()) == num_policy
     logprobs, _ = response_logprobs(policy, mb, cfg.rollout.temperature, False, False, False)
-    loss, _ = policy_loss(logprobs, mb.behavior_logprobs.double(), mb.advantages, mb.response_mask,
-                          LossSettings.from_config(cfg.loss, cfg.rollout.max_new_tokens), denominator=float(num_policy))
+    loss, _ = policy_loss(LossInputs(logprobs, mb.behavior_logprobs.double(), mb.advantages, mb.response_mask, float(num_policy)), LossSettings.from_config(cfg.loss, cfg.rollout.max_new_tokens))
     loss.backward()
     for c, p in zip(change, policy.parameters()):
         assert _relative_error(c, p.grad) <= FP64_TOL

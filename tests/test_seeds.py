@@ -1,5 +1,5 @@
 """Every random stream gets its own seed, a pure function of its name and position."""
-from mugrpo.training import seeds
+from mugrpo import seeds
 
 
 def test_streams_never_share_a_seed():

@@ -44,7 +44,7 @@ def test_uncapped_unclipped_tis_loss_equals_the_engine_ratio_loss():
     # w * rho = (pi_old / pi_engine) * (pi_theta / pi_old) = pi_theta / pi_engine: where no clip bound
     # binds and no weight is capped, the TIS loss and its gradient are the default (engine) loss's.
     # They part only where a bound binds on one ratio and not the other, where w > C, or at the veto.
-    from mugrpo.algo.losses import LossSettings, policy_loss
+    from mugrpo.algo.losses import LossInputs, LossSettings, policy_loss
 
     gen = torch.Generator().manual_seed(0)
     engine = -torch.rand(3, 5, generator=gen) * 3
@@ -53,9 +53,8 @@ def test_uncapped_unclipped_tis_loss_equals_the_engine_ratio_loss():
     adv, mask = torch.tensor([1.0, -0.5, 2.0]), torch.ones(3, 5, dtype=torch.bool)
     settings = LossSettings.from_config(LossConfig(clip_eps_low=0.3, clip_eps_high=0.3), 1)
     x1, x2 = theta.clone().requires_grad_(True), theta.clone().requires_grad_(True)
-    plain, _ = policy_loss(x1, engine, adv, mask, settings, denominator=15.0)
-    weighted, _ = policy_loss(x2, trainer, adv, mask, settings, denominator=15.0,
-                              is_weights=tis.tis_weights(trainer, engine, 2.0))
+    plain, _ = policy_loss(LossInputs(x1, engine, adv, mask, 15.0), settings)
+    weighted, _ = policy_loss(LossInputs(x2, trainer, adv, mask, 15.0, is_weights=tis.tis_weights(trainer, engine, 2.0)), settings)
     plain.backward()
     weighted.backward()
     torch.testing.assert_close(weighted, plain)

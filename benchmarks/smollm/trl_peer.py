@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from benchmarks.evaluate import sample_pass1
-    from mugrpo.training import seeds
+    from mugrpo import seeds
     from mugrpo.config import load_config
     from mugrpo.config.plan import make_plan
     from mugrpo.rollout.tasks import build_task, prompt_ids, render_messages

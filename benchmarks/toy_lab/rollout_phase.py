@@ -32,7 +32,7 @@ def main() -> int:
     from mugrpo.config import load_config
     from mugrpo.rollout.engines.base import SamplingConfig
     from mugrpo.rollout.engines.hf import HFEngine
-    from mugrpo.training.hardware import cpu_native_bf16
+    from mugrpo.hardware import cpu_native_bf16
     from mugrpo.models.loading import load_tokenizer
     from mugrpo.rollout.tasks import build_task, prompt_ids
 

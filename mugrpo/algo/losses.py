@@ -4,7 +4,9 @@ docs/ALGORITHM.md sections 5-8. Every function is pure: tensors and plain values
 as one frozen :class:`LossSettings`), a loss and a dict of metric tensors out. No model, no run
 config, no ``.item()``, no collectives. The options with several implementations are registries
 (:mod:`mugrpo.algo.registries`: the surrogate, the ratio level, the aggregation); a new one is a
-function here plus its registry line. A new numeric option is a field of ``LossSettings`` and of
+function here plus its registry line; an off-policy correction (:mod:`mugrpo.algo.corrections`)
+declares its parameters in its registry line, and both ``LossSettings`` and ``config.LossConfig``
+grow them from there. Another numeric option is a field of ``LossSettings`` and of
 ``config.LossConfig``; the trainer passes the settings through untouched.
 
 Shapes: B sequences, T response tokens (right-padded; ``mask`` [B, T] marks real tokens).
@@ -22,6 +24,7 @@ micro-batches gives exactly the gradient of the one-batch loss.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
@@ -112,14 +115,8 @@ class LossSettings:
     kl_beta: float
     entropy_coef: float
     correction: str
-    """The off-policy correction (:data:`mugrpo.algo.registries.CORRECTIONS`), and its parameters:"""
-    opsm_delta: float
-    icepop_low: float
-    icepop_high: float
-    cispo_eps_low: float
-    cispo_eps_high: float
-    mis_low: float
-    mis_high: float
+    """The off-policy correction (:data:`mugrpo.algo.registries.CORRECTIONS`); its parameters are fields
+    too, added below from their declaration in the registry (``settings.opsm_delta``, ...)."""
     seq_len_norm: int
     """L of ``seq-mean-token-sum-norm`` (the run's max new tokens)."""
     behavior_logprobs: str = "engine"
@@ -142,6 +139,11 @@ class LossSettings:
     def post_veto(self) -> bool:
         """Whether the normaliser counts only what the veto kept (``veto_normalizer="post_veto"``)."""
         return self.veto_normalizer == "post_veto"
+
+
+LossSettings = dataclasses.make_dataclass(
+    "LossSettings", [(p.name, float, dataclasses.field(default=p.default)) for p in CORRECTIONS.all_params()],
+    bases=(LossSettings,), frozen=True, namespace={"__module__": __name__, "__doc__": LossSettings.__doc__})
 
 
 def ppo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, s: LossSettings):
@@ -176,34 +178,60 @@ def sequence_log_ratio(log_ratio: torch.Tensor, keep: torch.Tensor) -> torch.Ten
     return mean.expand_as(log_ratio)
 
 
-def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, settings: LossSettings, *, denominator: torch.Tensor | float,
-                ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                is_weights: torch.Tensor | None = None, turns: torch.Tensor | None = None,
-                num_turns: int = 0, engine_logprobs: torch.Tensor | None = None,
-                trainer_logprobs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's tensors for :func:`policy_loss`: [B, T] each, ``advantages`` [B].
+
+    The three log-prob names of docs/ALGORITHM.md: ``logprobs`` carry the gradient;
+    ``behavior_logprobs`` are the stored behaviour log-probs (the ratio's denominator; detached by
+    the loss); ``ref_logprobs`` the reference model's (the KL term, optional). ``denominator`` is
+    the whole step's normaliser (the module docstring's contract). The optional fields are the
+    extra terms and diagnostics; None leaves them out (:func:`metric_template` lists the keys a
+    configuration can produce).
+    """
+
+    logprobs: torch.Tensor
+    behavior_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    denominator: torch.Tensor | float
+    ref_logprobs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    """Per-token entropy of the current policy (logged; the bonus when ``entropy_coef > 0``)."""
+    is_weights: torch.Tensor | None = None
+    """A per-token weight on the clipped surrogate (detached), e.g. TIS's min(pi_trainer / pi_engine, C)."""
+    turns: torch.Tensor | None = None
+    """Multi-turn data: the policy turn of each token (:mod:`mugrpo.algo.turns`), for the by-turn diagnostics."""
+    num_turns: int = 0
+    """Buckets of the by-turn diagnostics (0: none)."""
+    engine_logprobs: torch.Tensor | None = None
+    """What the engine sampled with (default ``behavior_logprobs``), for the corrections."""
+    trainer_logprobs: torch.Tensor | None = None
+    """The trainer's recompute of the behaviour log-probs (``behavior_logprobs=trainer`` only)."""
+
+
+def policy_loss(x: LossInputs, settings: LossSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The Mu-GRPO loss of one micro-batch, and its metrics as [numerator, denominator] pairs.
 
-    ``logprobs`` [B, T] carry the gradient; ``behavior_logprobs`` [B, T] are the stored behaviour
-    log-probs (detached here: no gradient ever flows into them); ``advantages`` [B] are frozen for
-    the stage. Token loss = clipped surrogate (+ kl_beta * k3(ref) - entropy_coef * H); vetoed
-    tokens leave the numerator. With ``veto_normalizer="post_veto"`` the seq-mean per-sequence
-    counts are post-veto (the caller then also passes a post-veto ``denominator``).
+    No gradient ever flows into the stored behaviour log-probs; the advantages are frozen for the
+    stage. Token loss = clipped surrogate (+ kl_beta * k3(ref) - entropy_coef * H); vetoed tokens
+    leave the numerator. With ``veto_normalizer="post_veto"`` the seq-mean per-sequence counts are
+    post-veto (the caller then also passes a post-veto ``denominator``).
 
-    ``is_weights`` [B, T] (optional, detached here): a per-token weight multiplying the clipped
-    surrogate, e.g. the truncated importance weight min(pi_trainer / pi_engine, C) of
-    :func:`mugrpo.training.tis.tis_weights`; it scales neither the KL nor the entropy term, nor the
-    normaliser. A = 0 tokens stay exactly 0 (0 * w = 0). None: the loss is exactly today's.
+    ``is_weights`` multiplies the clipped surrogate only: neither the KL nor the entropy term, nor
+    the normaliser. A = 0 tokens stay exactly 0 (0 * w = 0). None: the loss is exactly today's.
 
-    ``turns`` [B, T] (multi-turn data, optional): adds the by-turn veto diagnostics over
-    ``num_turns`` buckets (:func:`mugrpo.algo.turns.turn_metrics`); the loss does not change.
+    ``turns`` adds the by-turn veto diagnostics over ``num_turns`` buckets
+    (:func:`mugrpo.algo.turns.turn_metrics`); the loss does not change.
 
     ``settings.correction`` (:mod:`mugrpo.algo.corrections`, docs/ALGORITHM.md section 5c) acts after
     the veto: its mask narrows the kept tokens (the normaliser is unchanged), its weight multiplies
     the token loss (IcePop's replaces ``is_weights``), CISPO replaces the surrogate. It reads
-    ``engine_logprobs`` [B, T] (what the engine sampled with; default ``behavior_logprobs``) and
-    ``trainer_logprobs`` [B, T] (the trainer's recompute, ``behavior_logprobs=trainer`` only).
+    ``engine_logprobs`` and ``trainer_logprobs``.
     """
+    logprobs, behavior_logprobs, advantages, mask = x.logprobs, x.behavior_logprobs, x.advantages, x.mask
+    denominator, ref_logprobs, entropy, is_weights = x.denominator, x.ref_logprobs, x.entropy, x.is_weights
+    turns, num_turns, engine_logprobs, trainer_logprobs = x.turns, x.num_turns, x.engine_logprobs, x.trainer_logprobs
     s = settings
     mask = mask.bool()
     fmask = mask.to(logprobs.dtype)
@@ -243,6 +271,27 @@ def policy_loss(logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, advanta
         metrics["loss/entropy"] = _pair((entropy.detach() * fmask).sum(), fmask.sum())
     metrics["loss/total"] = _pair(total, 0)
     return total, metrics
+
+
+def placeholder_inputs(with_ref: bool, num_turns: int = 0) -> LossInputs:
+    """A one-token :class:`LossInputs` with every optional input a configuration can have: the
+    reference model's log-probs (``with_ref``), the turns (``num_turns`` > 0) and all the others."""
+    one = torch.zeros(1, 1)
+    return LossInputs(one, one, torch.zeros(1), one.bool(), 1.0, ref_logprobs=one if with_ref else None, entropy=one,
+                      turns=one.to(torch.int8) if num_turns else None, num_turns=num_turns, engine_logprobs=one,
+                      trainer_logprobs=one)
+
+
+def metric_template(settings: LossSettings, with_ref: bool, num_turns: int = 0) -> dict[str, torch.Tensor]:
+    """Every metric key :func:`policy_loss` can produce for this configuration, as zero
+    [numerator, denominator] pairs: the one place those keys come from.
+
+    The update starts every rank from these (whether or not the rank has sequences to train), so the
+    metric all-reduce lines up; a real micro-batch's metrics are a subset (adding a key not in the
+    template fails loudly). An update with nothing to train reports NaN fractions and loss 0.
+    """
+    _, metrics = policy_loss(placeholder_inputs(with_ref, num_turns), settings)
+    return {key: torch.zeros_like(value) for key, value in metrics.items()}
 
 
 def _pair(num, den) -> torch.Tensor:

@@ -13,7 +13,7 @@
 """
 
 from mugrpo.config.io import (RENAMED_KEYS, dump_yaml, field_docs, from_dict, load_config, parse_override,
-                              read_config_file, set_value, to_dict)
+                              read_config_file, read_run_config, set_value, to_dict)
 from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import resume_safe_keys, stage_shape, validate
 from mugrpo.config.schema import (ADAPTIVE_GUARDS, AGGREGATIONS, BEHAVIOR_LOGPROBS, CLIP_MODES, DEFAULT_FEW_SHOT,

@@ -17,6 +17,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from mugrpo.algo.registries import CORRECTIONS
 from mugrpo.config import rollout_sections, schema
 from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import validate
@@ -178,6 +179,27 @@ def read_config_file(file: str | Path) -> dict[str, Any]:
     return dict(loaded)
 
 
+def read_run_config(run_dir: str | Path, what: str, required: bool = True) -> dict[str, Any]:
+    """The values of a run directory's ``config.yaml``: the one reader of a run's config (resume,
+    ``mugrpo eval --model RUN``, a replay source, the report).
+
+    ``what`` names the run the way the caller's user gave it (e.g. ``"--resume runs/a"``), for the
+    messages. A missing or empty file is a :class:`mugrpo.run_dir.RunDirError` (``required=False``:
+    {} for a missing one, as the report takes it); a file that is not YAML a ConfigError naming it."""
+    from mugrpo.run_dir import RunDir, RunDirError
+
+    path = RunDir(run_dir).config
+    if not path.is_file():
+        if not required:
+            return {}
+        raise RunDirError(f"{what}: no config.yaml in {run_dir}, so it is not a mugrpo run directory")
+    values = read_config_file(path)
+    if not values and required:
+        raise RunDirError(f"{what}: {path} is empty; restore it (each checkpoints/ckpt_*/config.yaml holds a copy "
+                          "of the run's config) or start a new run")
+    return values
+
+
 
 def to_dict(cfg: Config) -> dict:
     """The config as plain data; a reward, tool or environment given as a Python object is written
@@ -219,6 +241,8 @@ def field_docs() -> list[tuple[str, str, str]]:
             for a, b in zip(body, body[1:]):
                 if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
                     docs[(node.name, a.target.id)] = " ".join(str(b.value.value).split())
+    for param in CORRECTIONS.all_params():  # declared with their option, in the registry
+        docs[("LossConfig", param.name)] = " ".join(param.doc.split())
     return [row for section in dataclasses.fields(Config) if section.name != "preset"
             for row in _section_docs(getattr(Config(), section.name), section.name, docs)]
 

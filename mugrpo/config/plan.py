@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from mugrpo.config.rules import stage_shape
 from mugrpo.config.schema import Config
 from mugrpo.errors import ConfigError
-from mugrpo.training import dynamic
+from mugrpo.algo import dynamic
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
 
 
 def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
-    """The plan as an aligned table; with ``resolved`` (:class:`mugrpo.training.hardware.Resolved`) also the
+    """The plan as an aligned table; with ``resolved`` (:class:`mugrpo.hardware.Resolved`) also the
     machine and the concrete values of the ``auto`` settings."""
     micro = f"{plan.micro_batch_tokens} tokens"
     if plan.micro_batch_size is not None:

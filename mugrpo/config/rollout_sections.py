@@ -256,7 +256,7 @@ class RolloutConfig:
         check(0 < self.top_p <= 1, "rollout.top_p", "in (0, 1]", self.top_p)
         check(self.top_k >= 0, "rollout.top_k", "an integer >= 0 (0 = off)", self.top_k)
         check(self.batch_size >= 1, "rollout.batch_size", "an integer >= 1", self.batch_size)
-        check(self.engine in ("auto", *ENGINES), "rollout.engine", f"one of {', '.join(('auto', *ENGINES))}",
+        check(self.engine in ("auto", *ENGINES.names()), "rollout.engine", f"one of {', '.join(('auto', *ENGINES.names()))}",
                self.engine)
         self.vllm.validate()
 

@@ -16,11 +16,12 @@ nothing about models, engines' internals or tensors.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from mugrpo.algo.registries import (AGGREGATIONS, AGGREGATORS, CLIP_MODES, CORRECTIONS, NEEDS_TRAINER_LOGPROBS,
+from mugrpo.algo.registries import (AGGREGATIONS, AGGREGATORS, CLIP_MODES, CORRECTIONS,
                                     RATIO_LEVELS, RATIO_MODES, SURROGATES, VETO_SCOPES)
 from mugrpo.config.checks import SAFE, check, check_registered
 from mugrpo.config.rollout_sections import (DEFAULT_FEW_SHOT, DEFAULT_INSTRUCTION, EnvConfig, ModelConfig,
@@ -108,7 +109,9 @@ built-in names), checked in :meth:`LossConfig.validate`, so an option a user reg
 @dataclass
 class LossConfig:
     """The loss section. :class:`mugrpo.algo.losses.LossSettings` is built from it field by field, so a new
-    loss option is a field here and its use in mugrpo/algo/losses.py, nothing else."""
+    loss option is a field here and its use in mugrpo/algo/losses.py, nothing else. A registered
+    correction's parameters are fields too, added from their declaration in the registry
+    (:data:`mugrpo.algo.registries.CORRECTIONS`): not written here."""
 
     clip_mode: str = "ppo"
     """The surrogate: a name of the registry ``SURROGATES`` (:mod:`mugrpo.algo.registries`); built in:
@@ -163,21 +166,6 @@ class LossConfig:
     ``behavior_logprobs=trainer``), ``cispo`` (-sg(clip(rho)) A log pi in place of the surrogate),
     ``mis_token`` / ``mis_sequence`` (drop a token / response whose pi_theta/pi_engine, per token /
     geometric mean, leaves [``mis_low``, ``mis_high``]). Masked tokens stay in the normaliser."""
-    opsm_delta: float = 0.1
-    """OPSM: an A<0 response is dropped when its mean k1 log(pi_engine / pi_theta) exceeds this (> 0)."""
-    icepop_low: float = 0.5
-    """IcePop: lower bound alpha of the kept band of pi_old / pi_engine (INTELLECT-3: 0.5)."""
-    icepop_high: float = 5.0
-    """IcePop: upper bound beta of the kept band (INTELLECT-3: 5)."""
-    cispo_eps_low: float = 1.0
-    """CISPO: the weight's lower bound is max(1 - cispo_eps_low, 0) (1.0 -> 0: none, the paper's)."""
-    cispo_eps_high: float = 4.0
-    """CISPO: the weight's upper bound is 1 + cispo_eps_high (4.0 -> 5, SkyRL / ScaleRL)."""
-    mis_low: float = 0.5
-    """Masked IS: lower bound of the kept band of pi_theta / pi_engine (token or geometric mean)."""
-    mis_high: float = 2.0
-    """Masked IS: upper bound of the kept band."""
-
     def describe(self) -> str:
         """The clip range and ratio level in words (for the printed plan)."""
         clip = (f"M2PO (second-moment budget {self.m2po_budget:g})" if self.clip_mode == "m2po"
@@ -199,16 +187,24 @@ class LossConfig:
         check(0 < self.tis_cap < math.inf, "loss.tis_cap", "a finite number > 0 (the TIS weight's cap C, e.g. 2)",
                self.tis_cap)
         check_registered(self.correction, CORRECTIONS, "loss.correction")
-        if self.correction in NEEDS_TRAINER_LOGPROBS and self.behavior_logprobs != "trainer":
+        if "trainer_logprobs" in CORRECTIONS.needs(self.correction) and self.behavior_logprobs != "trainer":
             raise ConfigError(f"loss.correction={self.correction} reads the trainer's recomputed behaviour log-probs: "
                               "set loss.behavior_logprobs=trainer (docs/ALGORITHM.md section 5c)")
-        check(self.opsm_delta > 0, "loss.opsm_delta", "> 0", self.opsm_delta)
-        check(0 < self.icepop_low <= 1 <= self.icepop_high < math.inf, "loss.icepop_low/icepop_high",
-               "0 < icepop_low <= 1 <= icepop_high, finite", (self.icepop_low, self.icepop_high))
-        check(self.cispo_eps_low >= 0, "loss.cispo_eps_low", ">= 0", self.cispo_eps_low)
-        check(0 <= self.cispo_eps_high < math.inf, "loss.cispo_eps_high", "a finite number >= 0", self.cispo_eps_high)
-        check(0 < self.mis_low <= 1 <= self.mis_high < math.inf, "loss.mis_low/mis_high",
-               "0 < mis_low <= 1 <= mis_high, finite", (self.mis_low, self.mis_high))
+        for param in CORRECTIONS.all_params():  # each correction's own parameters, checked by their own rule
+            value = getattr(self, param.name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool) and param.valid(value),
+                  f"loss.{param.name}", param.accepted, value)
+
+
+def _with_option_params(cls: type, registry) -> type:
+    """``cls`` with a field for every parameter the registry's options declare (their defaults), so
+    the config's keys, checks and reference come from the option that owns them."""
+    return dataclasses.make_dataclass(cls.__name__, [(p.name, float, field(default=p.default))
+                                                     for p in registry.all_params()],
+                                      bases=(cls,), namespace={"__module__": cls.__module__, "__doc__": cls.__doc__})
+
+
+LossConfig = _with_option_params(LossConfig, CORRECTIONS)
 
 
 @dataclass

@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=None, help="default: rollout.top_p")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: rollout.max_new_tokens")
     p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
-    p.add_argument("--engine", choices=("auto", *ENGINES), default=None, help="default: rollout.engine")
+    p.add_argument("--engine", choices=("auto", *ENGINES.names()), default=None, help="default: rollout.engine")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--config", help="YAML file of task.*/rollout.* overrides")
     p.add_argument("--out", help="write the results as JSON here (default: RUN_DIR/eval/<time>.json for a run)")
@@ -87,7 +87,7 @@ def run(args) -> int:
             env = EnvEval.build(build_env_factory(es.task_cfg, cfg.env, es.task), cfg, es.task_cfg,
                                 settings.max_new_tokens)
             gen = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
-                                     progress=_bar(total, es.name), keep_text=bool(args.samples), env=env)
+                                     progress=_bar(total, es.name), env=env)
             metrics = summarize_generations(gen, settings)
             metrics["eval_s"] = time.perf_counter() - t0
             metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
@@ -132,9 +132,8 @@ def _check_writable_file(path: Path, flag: str) -> None:
 
 def resolve_model(text: str) -> dict:
     """What ``--model`` names: model folder to load, optional checkpoint weights, the run's config."""
-    from mugrpo.training.checkpoint import RunDirError
     from mugrpo.models.loading import resolve_model_path
-    from mugrpo.training.run_dir import CONFIG_FILE, RunDir
+    from mugrpo.run_dir import CONFIG_FILE, RunDir, RunDirError
 
     path = Path(text).expanduser()
     run = RunDir(path)
@@ -161,16 +160,9 @@ def resolve_model(text: str) -> dict:
 
 
 def _saved_config(run_dir: Path, text: str) -> dict:
-    from mugrpo.training.checkpoint import RunDirError
-    from mugrpo.training.run_dir import RunDir
+    from mugrpo.config import read_run_config
 
-    file = RunDir(run_dir).config
-    if not file.is_file():
-        raise RunDirError(f"--model {text}: no config.yaml in {run_dir}, so it is not a mugrpo run")
-    values = read_config_file(file)
-    if not values:
-        raise RunDirError(f"--model {text}: {file} is empty; restore it (each checkpoint holds a copy)")
-    return values
+    return read_run_config(run_dir, f"--model {text}")
 
 
 def _config(source: dict, args):
@@ -222,12 +214,13 @@ def _settings(args, cfg):
     if n and 1 not in ks:
         ks = [1] + ks
     return EvalSettings(greedy=ev.greedy, n=n, ks=tuple(ks), temperature=ev.temperature, top_p=rollout.top_p,
-                        max_new_tokens=ev.max_new_tokens, seed=args.seed)
+                        max_new_tokens=ev.max_new_tokens, seed=args.seed, keep_text=bool(args.samples))
 
 
 def _make_engine(kind, model_path, tokenizer, cfg, seed):
     """(resolved engine kind, engine): ``auto`` engine and dtype resolved for this machine, as in training."""
-    from mugrpo.training.hardware import build_engine, detect, resolve
+    from mugrpo.hardware import detect, resolve
+    from mugrpo.rollout.engines import build_engine
     from mugrpo.models.loading import ModelError
 
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, kind, detect())

@@ -1,9 +1,10 @@
 """Evaluating a policy: generate with a rollout engine, score with the task, summarise.
 
 Two users: ``mugrpo eval`` (:mod:`mugrpo.evaluation.cli`) and the training loop, through
-:class:`TrainingEvaluator`, which decides when an evaluation is due (``eval.*`` config), pushes
-the current weights to the engine, logs a ``kind: eval`` record and keeps the seconds spent
-for the stage record's ``perf/eval_s``.
+:class:`mugrpo.training.evaluator.TrainingEvaluator`, which decides when an evaluation is due
+(``eval.*`` config), pushes the current weights to the engine, logs a ``kind: eval`` record and
+keeps the seconds spent for the stage record's ``perf/eval_s``. This module sits below training
+(docs/ARCHITECTURE.md): it knows engines, tasks and the multi-turn loop, not the trainer.
 
 Greedy responses use temperature 0; sampled ones use the eval temperature with top-p and top-k
 off, and a fixed seed, so every evaluation of a run draws from the same random stream and the
@@ -26,12 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import torch
-
-from mugrpo.training import distributed as dist
-from mugrpo.training import seeds
-from mugrpo.rollout.engines import SamplingConfig, weights_loaded
-from mugrpo.rollout.multiturn import LoopLimits, finalize_counts, loop_counts, roll_out_items
+from mugrpo.rollout.engines import SamplingConfig
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, finalize_counts, loop_counts, roll_out_items
 from mugrpo.evaluation.metrics import summarize
 from mugrpo.rollout.tasks import Item, Task, limit_prompts, prompt_ids
 
@@ -50,6 +47,8 @@ class EvalSettings:
     seed: int = 0
     correct_at: float = 1.0
     """A sample with a score >= this counts as correct for pass@k."""
+    keep_text: bool = False
+    """Keep every response's text and score (``Generations.records``; ``mugrpo eval --samples``)."""
 
 
 @dataclass
@@ -102,7 +101,7 @@ def render_prompts(tokenizer, items: list[Item], task_cfg) -> tuple[list[list[in
 
 def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts: list[list[int]],
                        settings: EvalSettings, progress: Optional[Callable[[int], None]] = None,
-                       keep_text: bool = False, env: Optional[EnvEval] = None) -> Generations:
+                       env: Optional[EnvEval] = None) -> Generations:
     """Greedy and/or n sampled responses per item, scored by ``task`` (``env``: multi-turn
     trajectories; ``prompts`` are then the environment's, rendered here)."""
     out = Generations()
@@ -130,7 +129,7 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
             out.samples = per_item
         out.lengths += lengths
         out.truncated += truncated
-        if keep_text:
+        if settings.keep_text:
             out.records += [{"item": i // sampling.n, "mode": mode, "text": text, "score": float(score)}
                             for i, (text, score) in enumerate(zip(texts, scores.tolist()))]
     return out
@@ -143,9 +142,8 @@ def _responses(engine, tokenizer, items, prompts, sampling, progress, env: Optio
         flat = [c for group in engine.generate(prompts, sampling, progress=progress) for c in group]
         return ([tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
                 [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat])
-    _, _, trajs = roll_out_items(engine, env.factory, items, sampling, env.limits, group_size=sampling.n,
-                                 reset_seed=sampling.seed, tokenizer=tokenizer, task_cfg=env.task_cfg,
-                                 progress=progress)
+    ctx = LoopContext(engine, tokenizer, env.limits, env.task_cfg)
+    _, _, trajs = roll_out_items(ctx, env.factory, items, sampling, reset_seed=sampling.seed, progress=progress)
     for key, value in loop_counts(trajs).items():
         out.env_counts[key] = out.env_counts.get(key, 0.0) + value
     return ([t.final_text for t in trajs], [sum(1 for k in t.turns if k >= 0) for t in trajs],
@@ -162,127 +160,3 @@ def summarize_generations(gen: Generations, settings: EvalSettings) -> dict[str,
     if gen.env_counts:  # multi-turn: how trajectories ended, turns, tool counts (env/*)
         metrics.update(finalize_counts(gen.env_counts))
     return metrics
-
-
-# ---------------------------------------------------------------------------------------------
-# During training.
-
-
-class TrainingEvaluator:
-    """Evaluation inside the training loop (config ``eval.*``); the loop calls two methods.
-
-    - :meth:`maybe_run` before the first update and after every update: evaluates the initial
-      policy (``eval.at_start``) and every ``eval.every_updates`` updates, except at a stage's
-      last update (``stage_ends``: the loop knows, an adaptive stage's length is decided as it
-      goes), which is left to :meth:`finish_stage` (so its progress bar never nests).
-    - :meth:`finish_stage` at each stage end: evaluates when due (``eval.every_stages``, the last
-      stage, or an ``every_updates`` multiple) and returns the seconds spent evaluating during
-      the stage, for ``perf/eval_s``. :attr:`in_loop_s` is the part spent inside the stage's
-      optimisation loop, which the loop leaves out of ``perf/optimize_s``.
-
-    Under several ranks, each evaluates its share of the items with its own engine and rank 0
-    logs the combined result (every rank must call, as for the weight push).
-    """
-
-    def __init__(self, trainer):
-        """``trainer``: the run's :class:`mugrpo.training.trainer.Trainer` (its config, plan, task,
-        tokenizer, engine, policy, logger, world, progress and start time are read from it)."""
-        cfg, task, world, e = trainer.cfg, trainer.task, trainer.world, trainer.cfg.eval
-        self.trainer = trainer
-        self.cfg, self.plan, self.task, self.world = cfg, trainer.plan, task, world
-        self.tokenizer, self.engine, self.policy = trainer.tokenizer, trainer.engine, trainer.policy
-        self.logger, self.progress = trainer.logger, trainer.progress
-        self.settings = EvalSettings(greedy=e.greedy, n=e.num_samples,
-                                     ks=tuple(sorted({1, e.num_samples})) if e.num_samples else (),
-                                     temperature=e.temperature, max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-                                     seed=seeds.eval_sampling(cfg.train.seed))
-        items = task.eval_items[: e.num_items]
-        self.enabled = bool(e.num_items)
-        if self.enabled and not items:
-            if world.is_main:
-                print(f"[mugrpo] warning: task {task.name!r} has no held-out items (task.eval_size); "
-                      "evaluation during training is off", file=sys.stderr)
-            self.enabled = False
-        self.env = EnvEval.build(getattr(trainer, "env_factory", None), cfg, cfg.task, self.settings.max_new_tokens)
-        if self.env is None:
-            self.prompts, self.items = render_prompts(self.tokenizer, items[world.rank::world.size], cfg.task)
-        else:  # the environment renders its own prompts (with its tools)
-            self.prompts, self.items = [], items[world.rank::world.size]
-        self._stage_s = 0.0
-        self.in_loop_s = 0.0
-        """Seconds of this stage's evaluations run from inside its optimisation loop."""
-        self._last_update: Optional[int] = None
-
-    def maybe_run(self, state, stage_ends: bool = False) -> None:
-        """``stage_ends``: this update ends its stage (mu reached, the budget, or an adaptive guard)."""
-        if not self.enabled or stage_ends:
-            return
-        e = self.cfg.eval
-        at_start = state.update == 0 and e.at_start
-        periodic = state.update > 0 and e.every_updates and state.update % e.every_updates == 0
-        if at_start or periodic:
-            seconds = self._run(state)
-            if state.update_in_stage > 0:
-                self.in_loop_s += seconds
-
-    def finish_stage(self, state) -> float:
-        """Run the stage-end evaluation if due; return (and reset) the stage's evaluation seconds."""
-        e = self.cfg.eval
-        if self.enabled:
-            last = state.update >= self.plan.total_updates  # by updates: adaptive stages vary in number
-            stage_due = e.every_stages and ((state.stage + 1) % e.every_stages == 0 or last)
-            update_due = e.every_updates and state.update % e.every_updates == 0
-            if stage_due or update_due:
-                self._run(state)
-        seconds, self._stage_s, self.in_loop_s = self._stage_s, 0.0, 0.0
-        return seconds
-
-    def _run(self, state) -> float:
-        """Evaluate now and log the record; returns the seconds it took (0 if done at this update)."""
-        if self._last_update == state.update:
-            return 0.0
-        self._last_update = state.update
-        t0 = time.perf_counter()
-        n_seq = len(self.items) * (int(self.settings.greedy) + self.settings.n)
-        with weights_loaded(self.engine, dist.full_state_items(self.policy)):  # a collective under FSDP2
-            bar = self.progress.bar(n_seq, f"eval @ update {state.update}", unit="seq")
-            gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts, self.settings,
-                                     progress=lambda n: self.progress.advance(bar, n), env=self.env)
-            self.progress.close(bar)
-        gen = _gather(gen, self.settings, self.world)
-        seconds = time.perf_counter() - t0
-        self._stage_s += seconds
-        metrics = {f"eval/{k}": v for k, v in summarize_generations(gen, self.settings).items()}
-        metrics["eval/num_items"] = int(metrics["eval/num_items"])
-        metrics["perf/eval_s"] = seconds
-        metrics["perf/eval_tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
-        record = {"kind": "eval", "stage": state.stage, "update": state.update,
-                  "update_in_stage": state.update_in_stage, "time_s": time.perf_counter() - self.trainer.t_start,
-                  **metrics}
-        self.logger.log(record)
-        if self.world.is_main:
-            self.progress.eval_summary(state.update, metrics)
-        return seconds
-
-
-def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:
-    """Concatenate every rank's per-item outcomes (identity in a single process).
-
-    ``generate_s`` stays this rank's own, so tokens / generate_s is the ranks' combined rate.
-    """
-    if world.size == 1:
-        return gen
-
-    def cat(values, dtype=torch.float64):
-        return dist.gather_cat(torch.tensor(values, dtype=dtype))
-
-    # Every rank joins (a rank may have no items, hence no counts); {} when no rank evaluated through an env.
-    out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts))
-    if gen.greedy is not None:
-        out.greedy = cat(gen.greedy).tolist()
-    if gen.samples is not None:
-        flat = cat([x for row in gen.samples for x in row])
-        out.samples = flat.view(-1, settings.n).tolist()
-    out.lengths = cat(gen.lengths, torch.long).tolist()
-    out.truncated = cat(gen.truncated, torch.bool).tolist()
-    return out

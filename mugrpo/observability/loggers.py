@@ -147,7 +147,7 @@ def make_logger(cfg, run_dir: Path):
     """``metrics.jsonl`` in ``run_dir`` plus the sinks named in ``cfg.log.loggers``."""
     import dataclasses
 
-    from mugrpo.training.run_dir import RunDir
+    from mugrpo.run_dir import RunDir
 
     run_dir = Path(run_dir)
     jsonl = JsonlLogger(RunDir(run_dir).metrics)

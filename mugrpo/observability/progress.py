@@ -58,7 +58,7 @@ class Progress:
                 parts.append(f"{key.split('/')[1][:-2]} {m[key]:.1f}s")
         if m.get("perf/generate_tok_s") is not None:
             parts.append(f"gen {m['perf/generate_tok_s']:.0f} tok/s")
-        if m.get("stage/num_rounds") is not None:  # dynamic sampling (mugrpo.training.dynamic)
+        if m.get("stage/num_rounds") is not None:  # dynamic sampling (mugrpo.algo.dynamic)
             parts.append(f"informative {_fmt('{:.2f}', m.get('stage/informative_frac'))} of the groups generated "
                          f"in {m['stage/num_rounds']} round(s)")
         if m.get("stage/ended_early"):

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import yaml
 
+from mugrpo.config import ConfigError, read_run_config
 from mugrpo.errors import UserError
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.training.run_dir import RunDir
+from mugrpo.run_dir import RunDir
 
 PHASES = ("sync", "generate", "score", "optimize", "eval", "checkpoint")
 """Stage-time categories: ``perf/{phase}_s`` keys of stage records (absent keys count as 0)."""
@@ -77,8 +77,10 @@ def load_run(path: str | Path, label: Optional[str] = None) -> Run:
     metrics = RunDir(path).metrics
     if not metrics.is_file():
         raise ReportError(f"{path}: no metrics.jsonl, so it is not a mugrpo run directory (or it has not started)")
-    config_file = RunDir(path).config
-    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    try:
+        config = read_run_config(path, str(path), required=False)
+    except ConfigError as exc:
+        raise ReportError(f"{path}: {exc}") from exc
     try:
         records = read_metrics(metrics)
     except (OSError, UnicodeDecodeError) as exc:

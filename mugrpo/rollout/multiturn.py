@@ -5,7 +5,7 @@ environment turns (the messages ``env.step`` returns, tokenized once by the call
 appended). Every turn, all active trajectories go to the engine in ONE ``generate`` call: the first
 turn with n = G per prompt (each prompt prefilled once), later turns with each trajectory's ids
 so far as its own prompt (n = 1; vLLM's prefix cache reuses their KV). Then the environment steps
-of the trajectories that finished their policy turn run concurrently (:mod:`mugrpo.rollout.steps`).
+of the trajectories that finished their policy turn run concurrently (:mod:`mugrpo.rollout.calls`).
 
 Token exactness (TRL's ``_tool_call_loop`` rule): the engine's sampled ids and behaviour log-probs
 are appended exactly as returned; an environment turn is appended as the renderer's ids with
@@ -28,22 +28,23 @@ applies to the whole trajectory, TRL's ``max_completion_length`` semantics).
 
 This module knows nothing about rewards beyond the environment's, advantages or the loss.
 :func:`roll_out_items` is the whole generation of a stage from a factory (start, loop, close);
-:func:`run_trajectories` the loop on environments already reset.
+:func:`run_trajectories` the loop on environments already reset. Both take a :class:`LoopContext`:
+the engine, the tokenizer, the loop's limits and how environment turns are rendered, the same for
+every call of a stage (training's generation and evaluation each build one).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from mugrpo.faults import maybe_die
+from mugrpo.rollout.calls import run_calls
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.base import EnvFactory, Environment, StepResult
-from mugrpo.rollout.steps import run_calls
-from mugrpo.training.faults import maybe_die
-from mugrpo.training.seeds import derive
+from mugrpo.seeds import derive
 
 END_REASONS = ("done", "turn_limit", "length", "overflow", "env_error", "env_timeout", "env_bad_output")
 TRUNCATED = ("length", "overflow")
@@ -127,48 +128,77 @@ class Trajectory:
         return room
 
 
-def roll_out_items(engine, factory: EnvFactory, items: list, sampling: SamplingConfig, limits: LoopLimits, *,
-                   group_size: int, reset_seed: int, tokenizer, task_cfg,
-                   select: Optional[Callable[[list[list[int]]], list[int]]] = None,
+@dataclass(frozen=True)
+class LoopContext:
+    """What the multi-turn chain needs besides the items and the sampling: one per stage (or evaluation).
+
+    ``task_cfg`` is the prompt format (:func:`mugrpo.rollout.tasks.render_messages`) for an
+    environment whose ``reset`` gives no messages. The three renderers default to the tokenizer's:
+    environment turns by :func:`mugrpo.rollout.envs.render.env_turn_ids`, a policy turn's text by
+    ``tokenizer.decode(ids, skip_special_tokens=True)``, and the EOS ids by the engine's ``eos``
+    (else the tokenizer's EOS); a test may pass its own."""
+
+    engine: Any
+    tokenizer: Any
+    limits: LoopLimits
+    task_cfg: Any = None
+    render_env_turn: Optional[EnvTurnRenderer] = None
+    decode: Optional[Callable[[list[int]], str]] = None
+    eos: Optional[tuple[int, ...]] = None
+
+    def env_turn_ids(self, messages: list[dict], ended_on_eos: bool) -> list[int]:
+        if self.render_env_turn is not None:
+            return self.render_env_turn(messages, ended_on_eos)
+        from mugrpo.rollout.envs.render import env_turn_ids
+
+        return env_turn_ids(self.tokenizer, messages, ended_on_eos)
+
+    def text(self, ids: list[int]) -> str:
+        return self.decode(ids) if self.decode is not None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def eos_ids(self) -> list[int]:
+        if self.eos is not None:
+            return list(self.eos)
+        return list(getattr(self.engine, "eos", [self.tokenizer.eos_token_id]))
+
+
+def roll_out_items(ctx: LoopContext, factory: EnvFactory, items: list, sampling: SamplingConfig, *,
+                   reset_seed: int, select: Optional[Callable[[list[list[int]]], list[int]]] = None,
                    progress: Optional[Callable[[int], None]] = None
                    ) -> tuple[list[int], list[list[int]], list[Trajectory]]:
-    """A stage's trajectories for ``items``: (the groups kept, their prompts, G trajectories per
-    kept group, group-major).
+    """A stage's trajectories for ``items``: (the groups kept, their prompts, G = ``sampling.n``
+    trajectories per kept group, group-major).
 
     Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`);
     ``select(prompts)`` may keep only some groups (e.g. the prompt-length rule; the others' envs
-    are closed); the rest are rolled out and closed (also when the loop raises). Environment turns
-    are rendered by :func:`mugrpo.rollout.envs.render.env_turn_ids`; a turn ends at the engine's EOS.
+    are closed); the rest are rolled out and closed (also when the loop raises). A turn ends at the
+    engine's EOS.
     """
-    from mugrpo.rollout.envs.render import env_turn_ids
     from mugrpo.rollout.envs.start import start_trajectories
 
-    G = group_size
-    prompts, envs = start_trajectories(factory, items, G, reset_seed, tokenizer, task_cfg)
+    G, limits = sampling.n, ctx.limits
+    prompts, envs = start_trajectories(factory, items, G, reset_seed, ctx.tokenizer, ctx.task_cfg)
     try:
         kept = list(range(len(prompts))) if select is None else list(select(prompts))
         dropped = sorted(set(range(len(prompts))) - set(kept))
         _close_all([Trajectory([], envs[g * G + j], 1) for g in dropped for j in range(G)], limits)
         envs = [envs[g * G + j] for g in kept for j in range(G)]
         prompts = [prompts[g] for g in kept]
-        trajs = run_trajectories(engine, prompts, envs, sampling, limits,
-                                 render_env_turn=functools.partial(env_turn_ids, tokenizer),
-                                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                                 eos=list(getattr(engine, "eos", [tokenizer.eos_token_id])), progress=progress)
+        trajs = run_trajectories(ctx, prompts, envs, sampling, progress=progress)
     except BaseException:
         _close_all([Trajectory([], env, 1) for env in envs], limits)
         raise
     return kept, prompts, trajs
 
 
-def run_trajectories(engine, prompts: list[list[int]], envs: list[Environment], sampling: SamplingConfig,
-                     limits: LoopLimits, *, render_env_turn: EnvTurnRenderer, decode: Callable[[list[int]], str],
-                     eos: list[int], progress: Optional[Callable[[int], None]] = None) -> list[Trajectory]:
+def run_trajectories(ctx: LoopContext, prompts: list[list[int]], envs: list[Environment], sampling: SamplingConfig,
+                     progress: Optional[Callable[[int], None]] = None) -> list[Trajectory]:
     """Roll out ``len(envs) // len(prompts)`` = G trajectories per prompt (``envs`` group-major, reset).
 
     ``sampling.n`` is ignored (G comes from ``envs``); ``sampling.max_new_tokens`` caps one policy
     turn; the stop strings are the environments' (all must share them).
     """
+    limits = ctx.limits
     G = len(envs) // max(len(prompts), 1)
     if not prompts or G * len(prompts) != len(envs):
         raise ValueError(f"{len(envs)} environments for {len(prompts)} prompts: need G per prompt, G >= 1")
@@ -180,13 +210,14 @@ def run_trajectories(engine, prompts: list[list[int]], envs: list[Environment], 
         if t.max_turns < 1:
             raise ValueError(f"environment {type(t.env).__name__} has max_turns={t.env.max_turns}; need >= 1")
     sampling = dataclasses.replace(sampling, stop=_shared_stop(envs))
+    eos = ctx.eos_ids()
     turn = 0
     while any(t.active for t in trajs):
         active = [t for t in trajs if t.active]
-        completions = _policy_turn(engine, active, sampling, limits, turn, G if turn == 0 else 1)
-        stepping = [t for t, c in zip(active, completions) if _take_policy_turn(t, c, turn, decode)]
+        completions = _policy_turn(ctx.engine, active, sampling, limits, turn, G if turn == 0 else 1)
+        stepping = [t for t, c in zip(active, completions) if _take_policy_turn(t, c, turn, ctx.text)]
         maybe_die("turn")
-        _environment_turn(stepping, limits, render_env_turn, eos)
+        _environment_turn(stepping, limits, ctx.env_turn_ids, eos)
         if progress is not None:
             progress(sum(1 for t in active if not t.active))
         turn += 1

@@ -1,6 +1,6 @@
 """Run directories, checkpoints, the final HF export, and clean stops on SIGINT/SIGTERM.
 
-Layout of a run directory (its names: :class:`mugrpo.training.run_dir.RunDir`)::
+Layout of a run directory (its names: :class:`mugrpo.run_dir.RunDir`)::
 
     config.yaml                    resolved config (written once, at start)
     .lock                          held (flock) by the process training in the directory
@@ -49,10 +49,10 @@ from mugrpo.errors import UserError
 from mugrpo.training import distributed as dist
 from mugrpo.models import lora
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
-                           resume_safe_keys, set_value, to_dict, validate)
-from mugrpo.training.data import SHARDS_FILE, atomic_write_text
-from mugrpo.training.run_dir import CONFIG_FILE, LOCK_FILE, RunDir  # noqa: F401 (LOCK_FILE: re-exported)
-from mugrpo.training.faults import maybe_die
+                           read_run_config, resume_safe_keys, set_value, to_dict, validate)
+from mugrpo.run_dir import (CONFIG_FILE, LOCK_FILE, SHARDS_FILE, RunDir, RunDirError,  # noqa: F401 (re-exported)
+                            atomic_write_text)
+from mugrpo.faults import maybe_die
 
 
 @dataclass
@@ -72,10 +72,6 @@ class RunState:
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
 """Keys (or, ending in '.', whole sections) that a resume may change: they do not alter the experiment."""
-
-
-class RunDirError(UserError, RuntimeError):
-    """A run directory that cannot be used as asked; the message says what to do."""
 
 
 class Interrupted(Exception):
@@ -110,8 +106,7 @@ def discard_failed_start(run_dir: Path, keep_dir: bool) -> bool:
 def prepare_run_dir(run_dir: Path, cfg: Config, resume: bool, is_main: bool = True) -> None:
     run_dir = Path(run_dir)
     if resume:
-        if not RunDir(run_dir).config.is_file():
-            raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
+        read_run_config(run_dir, f"--resume {run_dir}")  # RunDirError: not a run directory
         return
     if is_main:
         check_run_dir_free(run_dir)
@@ -183,12 +178,7 @@ def resume_config(run_dir: Path, overrides: list[str]) -> Config:
     """
     run_dir = Path(run_dir)
     path = RunDir(run_dir).config
-    if not path.is_file():
-        raise RunDirError(f"--resume {run_dir}: no config.yaml there, so it is not a mugrpo run directory")
-    values = read_config_file(path)
-    if not values:
-        raise RunDirError(f"{path} is empty; restore it (each checkpoints/ckpt_*/config.yaml holds the run's "
-                          "config) or start a new run")
+    values = read_run_config(run_dir, f"--resume {run_dir}")
     cfg = _config_from_file(values, path)
     for text in overrides:  # applied on top of the saved config, not the defaults
         set_value(cfg, *parse_override(text))

@@ -4,7 +4,7 @@ A stage's data is static: prompts, sampled responses, their behaviour log-probs,
 advantages computed once at generation time. Each rank writes its shard atomically to
 ``RUN_DIR/stages/stage_KKK/rollouts_rank{R}.safetensors`` right after scoring, so a run resumed
 mid-stage never regenerates. Sequences are stored group by group: sequence s belongs to group s // G.
-The stage folder's name comes from :class:`mugrpo.training.run_dir.RunDir`; the names of the shard
+The stage folder's name comes from :class:`mugrpo.run_dir.RunDir`; the names of the shard
 and text files in it are defined here and nowhere else (:func:`shard_path`, :func:`text_path`).
 
 Multi-turn trajectories (:mod:`mugrpo.rollout.multiturn`) store their whole response, policy and
@@ -29,15 +29,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo.training import seeds
+from mugrpo import seeds
 from mugrpo.errors import UserError
-from mugrpo.training.run_dir import RunDir
+from mugrpo.run_dir import SHARDS_FILE, atomic_write, atomic_write_text, shard_path, text_path  # noqa: F401
 
 FORMAT_VERSION = 2
 ENV_TURN = -1
 """The ``turns`` value of an environment token."""
-SHARDS_FILE = "shards.json"
-"""Written by rank 0 once every rank's shard is on disk: the stage is complete."""
 
 
 class StageDataError(UserError, RuntimeError):
@@ -48,20 +46,6 @@ class StageDataError(UserError, RuntimeError):
         super().__init__(f"stage data file {path} cannot be read ({why}): "
                          f"damaged or incomplete. Delete the folder {path.parent} and resume (mugrpo train "
                          "--resume RUN_DIR): that stage's data is then generated again, by the resumed policy")
-
-
-def stage_dir(run_dir: Path, stage: int) -> Path:
-    return RunDir(run_dir).stage(stage)
-
-
-def shard_path(stage_dir: Path, shard: int) -> Path:
-    """Shard ``shard`` of a stage's data (written by the rank of that number)."""
-    return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
-
-
-def text_path(stage_dir: Path, rank: int, world_size: int) -> Path:
-    """The human-readable jsonl of a rank's shard (one file, without a rank, for a single process)."""
-    return Path(stage_dir) / ("rollouts.jsonl" if world_size == 1 else f"rollouts_rank{rank}.jsonl")
 
 
 @dataclass
@@ -162,30 +146,6 @@ class StageData:
             raise StageDataError(path, ValueError(
                 f"format_version {version} was written by a newer mugrpo (this one reads up to {FORMAT_VERSION})"))
         return data
-
-
-def atomic_write(path: Path, write) -> None:
-    """``write(tmp_path)``, fsync, then rename over ``path``: readers see the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: Path(tmp).write_text(text))
 
 
 def update_groups(num_groups: int, prompts_per_update: int, update_in_stage: int, seed: int, stage: int

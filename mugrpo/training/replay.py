@@ -21,11 +21,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from mugrpo.config import Config, ConfigError, from_dict, read_config_file
+from mugrpo.config import Config, ConfigError, from_dict, read_run_config
 from mugrpo.config.plan import make_plan
 from mugrpo.errors import UserError
-from mugrpo.training.data import SHARDS_FILE, StageData, StageDataError, atomic_write, shard_path, text_path
-from mugrpo.training.run_dir import STAGE_METRICS_FILE, RunDir
+from mugrpo.run_dir import SHARDS_FILE, STAGE_METRICS_FILE, RunDir, RunDirError, atomic_write, shard_path, text_path
+from mugrpo.training.data import StageData, StageDataError
 
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
@@ -104,10 +104,12 @@ def check_source(source_dir: str | Path, cfg: Config, world_size: int = 1) -> Re
     where = f"replay source {str(source)!r}"
     if not source.is_dir():
         raise ReplayError(f"{where} is not a directory; give the run directory of an earlier mugrpo run")
-    if not RunDir(source).config.is_file():
-        raise ReplayError(f"{where} has no config.yaml, so it is not a mugrpo run directory")
     try:
-        src_cfg = from_dict(read_config_file(RunDir(source).config))
+        values = read_run_config(source, where)
+    except RunDirError as exc:
+        raise ReplayError(str(exc)) from exc
+    try:
+        src_cfg = from_dict(values)
     except ConfigError as exc:
         raise ReplayError(f"{where}: its config.yaml cannot be used ({exc})") from exc
     stages = complete_stages(source)

@@ -1,6 +1,6 @@
 """A stage generated in rounds (dynamic sampling): each round persisted, then the kept groups assembled.
 
-The rules (sizes, stop, which prompts, which groups are kept) are :mod:`mugrpo.training.dynamic`;
+The rules (sizes, stop, which prompts, which groups are kept) are :mod:`mugrpo.algo.dynamic`;
 this module holds a round's files, turns the rounds into the stage's :class:`StageData`, and runs
 a stage's generation phase in rounds (:func:`generate_in_rounds`) with the engine work passed in
 by the trainer (this module knows no engine, task or config).
@@ -19,14 +19,15 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from mugrpo.training import dynamic
+from mugrpo.algo import dynamic
 from mugrpo.training.data import StageData, StageDataError, atomic_write_text
-from mugrpo.training.run_dir import ROUNDS_DIR
+from mugrpo.run_dir import ROUNDS_DIR
 
 
 def round_paths(stage_dir: Path, round_index: int, rank: int) -> tuple[Path, Path]:
@@ -84,14 +85,23 @@ def assemble(rounds: Sequence[StageData], kept: Sequence[int]) -> StageData:
 # The generation phase of a stage with dynamic sampling.
 
 
-def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_rank: int, oversample: float,
-                       max_rounds: int, draw: Callable[[int, int], list[int]],
+@dataclass(frozen=True)
+class Ranks:
+    """This process among the ranks, and the two reductions that make every rank decide alike
+    (identities in a single process)."""
+
+    rank: int = 0
+    size: int = 1
+    sum: Callable[[list], list] = lambda xs: xs
+    max: Callable[[int], int] = lambda x: x
+
+
+def generate_in_rounds(stage_dir: Path, ranks: Ranks, needed_per_rank: int, oversample: float, max_rounds: int,
+                       draw: Callable[[int, int], list[int]],
                        generate: Callable[[int, list[int]], tuple[StageData, dict]],
-                       sum_over_ranks: Callable[[list[int]], list[int]] = lambda xs: xs,
-                       max_over_ranks: Callable[[int], int] = lambda x: x,
                        after_round: Callable[[], None] = lambda: None) -> tuple[StageData, dict, dynamic.Rounds]:
-    """Generate a stage's groups in rounds (:func:`mugrpo.training.dynamic.run_rounds`), keep the
-    selected ones (:func:`mugrpo.training.dynamic.select_groups`); return this rank's stage data,
+    """Generate a stage's groups in rounds (:func:`mugrpo.algo.dynamic.run_rounds`), keep the
+    selected ones (:func:`mugrpo.algo.dynamic.select_groups`); return this rank's stage data,
     the rounds' records summed (:func:`sum_records`, with the rewards' sum, sum of squares and
     count over every generated sequence added for :func:`round_metrics`) and the rounds.
 
@@ -101,6 +111,7 @@ def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_r
     ``after_round()`` runs once a new round is persisted (the kill-and-resume tests die there).
     A round already on disk (a run killed between rounds) is read back, not generated.
     """
+    rank = ranks.rank
     parts, records = [], []
 
     def one_round(round_index: int, offset: int, size: int) -> list[bool]:
@@ -117,8 +128,7 @@ def generate_in_rounds(stage_dir: Path, rank: int, world_size: int, needed_per_r
                         "num_sequences": rewards.numel()})
         return dynamic.informative_groups(part.rewards.view(-1, part.group_size)).tolist()
 
-    rounds = dynamic.run_rounds(needed_per_rank, oversample, max_rounds, world_size, one_round,
-                                sum_over_ranks, max_over_ranks)
+    rounds = dynamic.run_rounds(needed_per_rank, oversample, max_rounds, ranks.size, one_round, ranks.sum, ranks.max)
     data = assemble(parts, dynamic.select_groups(rounds.flat, needed_per_rank))
     return data, sum_records(records), rounds
 

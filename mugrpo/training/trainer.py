@@ -6,20 +6,23 @@ release the engine -> mu optimizer updates on the static data, ratios always aga
 behaviour log-probs. ``grpo`` is this loop with mu = 4. With ``schedule.adaptive`` a stage may end
 before mu updates when a drift guard trips (:mod:`mugrpo.algo.adaptive`); the run always ends after
 ``total_updates``. With ``rollout.dynamic_sampling`` the generation phase runs in rounds
-and keeps the informative groups (:mod:`mugrpo.training.dynamic`, :mod:`mugrpo.training.rounds`).
+and keeps the informative groups (:mod:`mugrpo.algo.dynamic`, :mod:`mugrpo.training.generation`).
 
 Here: :func:`train` (the loop) and :class:`Trainer`, the one owner of a run's machinery (policy,
-optimizer, scheduler, engine, world, plan, resolved precision, reference model, task, tokenizer,
-logger, progress, run state), whose methods are the loop's steps: generate (or read back) a stage
-(those steps in :mod:`mugrpo.training.generation`), one optimizer update, a checkpoint.
+optimizer, scheduler, world, plan, resolved precision, reference model, the rollout parts, logger,
+progress, run state), whose methods are the loop's steps: one optimizer update, a stage's end, a
+checkpoint. Its components are built from the parts they need, not from the trainer: the stage
+source that gives each stage's data (:mod:`mugrpo.training.sources`: generated, single-turn or
+trajectories, in one round or dynamic rounds, or replayed) and the evaluator
+(:mod:`mugrpo.training.evaluator`).
 
 What lives elsewhere: the math (:mod:`mugrpo.algo.losses`, :mod:`mugrpo.algo.veto`,
 :mod:`mugrpo.algo.advantages`), the update step's layout, filler passes and normaliser
 (:mod:`mugrpo.training.update`), the schedule arithmetic (:mod:`mugrpo.config.plan`), persistence of
 stage data (:mod:`mugrpo.training.data`), the optional trainer-side behaviour log-probs with TIS
 (:mod:`mugrpo.training.tis`), checkpoints (:mod:`mugrpo.training.checkpoint`), the run directory's
-layout (:mod:`mugrpo.training.run_dir`), engines (:mod:`mugrpo.rollout.engines`), and multi-process
-concerns (:mod:`mugrpo.training.distributed`).
+layout (:mod:`mugrpo.run_dir`), engines (:mod:`mugrpo.rollout.engines`), and multi-process
+concerns (:mod:`mugrpo.training.distributed`). The layers: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -33,11 +36,10 @@ from typing import Any
 import torch
 
 from mugrpo.algo.adaptive import end_reason, stage_length
-from mugrpo.algo.losses import LossSettings, finalize_metrics, policy_loss
+from mugrpo.algo.losses import LossInputs, LossSettings, finalize_metrics, metric_template, policy_loss
 from mugrpo.config import Config
 from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.errors import UserError
-from mugrpo.evaluation.evaluate import TrainingEvaluator
 from mugrpo.models import lora
 from mugrpo.models.loading import check_context, load_policy, load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
@@ -50,11 +52,14 @@ from mugrpo.training import replay as replay_mod
 from mugrpo.training.batching import micro_batches
 from mugrpo.training.checkpoint import RunState
 from mugrpo.training.data import StageData
-from mugrpo.training.faults import maybe_die, should_poison
+from mugrpo.faults import maybe_die, should_poison
+from mugrpo.training.evaluator import TrainingEvaluator
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
-from mugrpo.training.generation import GenerationPhase
-from mugrpo.training.hardware import Resolved, build_engine, detect, resolve
-from mugrpo.training.run_dir import RunDir
+from mugrpo.training.samplers import RolloutParts
+from mugrpo.training.sources import StageSource, build_stage_source, build_store
+from mugrpo.hardware import Resolved, detect, resolve
+from mugrpo.rollout.engines import build_engine
+from mugrpo.run_dir import RunDir
 from mugrpo.training.update import StepSettings, normaliser, ratio_inputs, with_fillers
 
 
@@ -93,8 +98,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     else:
         ckpt.check_run_dir_free(rd.path)
     try:
-        trainer = Trainer.build(cfg, plan, world, resolved, task, rd)
-        trainer.replay = source
+        if resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
+            source = replay_mod.recorded_source(rd.path)
+        trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source)
         if resume:
             trainer.resume()
         else:
@@ -107,7 +113,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         stopper = ckpt.GracefulStop()
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
         while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
-            data, stage_metrics = trainer.load_or_generate_stage(stopper)
+            data, stage_metrics = trainer.source.stage(trainer.state, stopper)
             reason, optimize_s = trainer.optimise_stage(data, stage_metrics, stopper)
             if reason is None:  # stopped mid-stage, checkpointed
                 raise ckpt.Interrupted(rd.path)
@@ -140,7 +146,7 @@ def step_settings(cfg: Config, resolved: Resolved | None = None) -> StepSettings
 
 
 @dataclass(eq=False)
-class Trainer(GenerationPhase):
+class Trainer:
     """One run's machinery and state; the loop (:func:`train`) calls its steps.
 
     Built by :meth:`build` for a run, or directly from parts (a policy, an optimizer, a scheduler)
@@ -157,12 +163,10 @@ class Trainer(GenerationPhase):
     device: Any = "cpu"
     resolved: Resolved | None = None
     ref_model: Any = None
-    engine: Any = None
-    task: Task | None = None
-    tokenizer: Any = None
-    env_factory: Any = None
-    """Makes one environment per trajectory when the task has one (``task.env`` / ``task.tools``):
-    the stage is then generated turn by turn (:mod:`mugrpo.training.env_stage`)."""
+    parts: RolloutParts | None = None
+    """The rollout engine, task, tokenizer and environment factory (None: single updates only)."""
+    source: StageSource | None = None
+    """Where each stage's data comes from (:mod:`mugrpo.training.sources`)."""
     run_dir: RunDir | None = None
     state: RunState = field(default_factory=RunState)
     logger: Any = field(default_factory=NullLogger)
@@ -170,8 +174,6 @@ class Trainer(GenerationPhase):
     evaluator: Any = None
     t_start: float = field(default_factory=time.perf_counter)
     step: StepSettings = field(init=False)
-    replay: Any = None
-    """The :class:`mugrpo.training.replay.ReplaySource` whose stages this run trains on (None: generate)."""
     ckpt_s: float = 0.0
     """Checkpoint seconds inside the current stage's wall-clock interval (from the previous stage
     record to this one, so the previous stage-end checkpoint counts here)."""
@@ -182,28 +184,22 @@ class Trainer(GenerationPhase):
         self.step = step_settings(cfg, self.resolved)
 
     @classmethod
-    def build(cls, cfg: Config, plan: Plan, world, resolved: Resolved, task: Task | None, run_dir: RunDir
-              ) -> "Trainer":
-        """Load the model, tokenizer, reference model, optimizer, task and engine for a run."""
-        _configure_torch(cfg)
-        model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
-        model_path = dist.broadcast_object(model_path)
-        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)  # checks its vocab against the model
-        check_context(model_path, cfg, cfg.model.trust_remote_code)
-        policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
-        ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if cfg.loss.kl_beta > 0 else None
-        if cfg.model.gradient_checkpointing:
-            policy.gradient_checkpointing_enable()
-        policy, device = dist.prepare_model(policy, cfg, world)
-        if ref_model is not None:
-            ref_model = dist.prepare_frozen(ref_model, cfg, world)
-        optimizer, scheduler = build_optimizer(policy, cfg, plan)
+    def build(cls, cfg: Config, plan: Plan, world, resolved: Resolved, task: Task | None, run_dir: RunDir,
+              replay=None) -> "Trainer":
+        """Load the model, tokenizer, reference model, optimizer, task and engine for a run, and build
+        its stage source (``replay``: the stages of another run, :mod:`mugrpo.training.sources`)."""
+        m = build_model(cfg, plan, world)
+        policy, tokenizer, model_path = m.policy, m.tokenizer, m.model_path
         task = task or build_task(cfg.task)
         env_factory = build_env_factory(cfg.task, cfg.env, task)
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
-        return cls(cfg, plan, world, policy, optimizer, scheduler, device=device, resolved=resolved,
-                   ref_model=ref_model, engine=engine, task=task, tokenizer=tokenizer, run_dir=run_dir,
-                   env_factory=env_factory)
+        parts = RolloutParts(engine, task, tokenizer, env_factory)
+        progress = Progress(enabled=cfg.train.progress and world.is_main)
+        trainer = cls(cfg, plan, world, policy, m.optimizer, m.scheduler, device=m.device, resolved=resolved,
+                      ref_model=m.ref_model, parts=parts, run_dir=run_dir, progress=progress)
+        store = build_store(cfg, world, parts, run_dir, trainer.step)
+        trainer.source = build_stage_source(cfg, plan, world, parts, policy, store, progress, replay)
+        return trainer
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) into the policy, optimizer, scheduler and state."""
@@ -212,23 +208,20 @@ class Trainer(GenerationPhase):
                 print(f"[mugrpo] removed {path}, left by an interrupted write")
         self.state = ckpt.load_latest(self.run_dir.path, self.policy, self.optimizer, self.scheduler,
                                       self.world) or RunState()
-        source = replay_mod.recorded_source(self.run_dir.path)
-        if source is not None:  # checked again only when a stage still has to be copied from it
-            self.replay = source
         if self.world.is_main:
             ckpt.truncate_metrics(self.run_dir.metrics, self.state)
 
     def start(self) -> None:
-        """Open the logger and progress bars, print the plan, and set up evaluation."""
+        """Open the logger, print the plan, and set up evaluation."""
         cfg, world = self.cfg, self.world
         self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
-        self.progress = Progress(enabled=cfg.train.progress and world.is_main)
         if world.is_main:
             print(format_plan(self.plan, cfg, self.resolved))
             for note in self.resolved.notes + _layout_notes(self.policy, cfg):
                 print(f"[mugrpo] {note}")
         self.t_start = time.perf_counter() - self.state.elapsed_s
-        self.evaluator = TrainingEvaluator(self)
+        self.evaluator = TrainingEvaluator(cfg, self.plan, world, self.parts, self.policy, self.logger, self.progress,
+                                           clock=lambda: time.perf_counter() - self.t_start)
 
     def save(self) -> float:
         """Checkpoint now; returns the seconds it took."""
@@ -299,11 +292,12 @@ class Trainer(GenerationPhase):
                                 "off train.autocast")
         final = self.run_dir.final_model
         if self.cfg.train.save_final_model:
-            ckpt.export_hf(self.policy, self.tokenizer, final, self.world)
+            ckpt.export_hf(self.policy, self.parts.tokenizer, final, self.world)
         return final
 
     def close(self) -> None:
-        for close in (self.logger.close, self.engine and self.engine.close):
+        engine = self.parts.engine if self.parts is not None else None
+        for close in (self.logger.close, engine and engine.close):
             if close:
                 close()
 
@@ -328,7 +322,7 @@ class Trainer(GenerationPhase):
                                      lambda: [b.to(device) for b in micro_batches(data, seqs[:1], **layout)])
         denominator = normaliser(self.policy, data, seqs, trained, batches, real, step)
         denominator = dist.sum_over_ranks(denominator.to(device)).clamp(min=1)
-        summed = _zero_metrics(step.loss, with_ref=self.ref_model is not None, num_turns=self.num_turn_buckets)
+        summed = metric_template(step.loss, with_ref=self.ref_model is not None, num_turns=self.num_turn_buckets)
         summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
         poison = should_poison("loss")  # test hook: makes this update's loss NaN
         for i, mb in enumerate(batches):
@@ -360,15 +354,17 @@ class Trainer(GenerationPhase):
             with torch.no_grad():
                 ref_logprobs, _ = response_logprobs(self.ref_model, mb, step.temperature, step.autocast, False, False)
         old_logprobs, is_weights = ratio_inputs(mb, step.loss)
-        return policy_loss(logprobs, old_logprobs, mb.advantages, mb.response_mask, step.loss,
-                           denominator=denominator, ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
-                           turns=mb.turns, num_turns=self.num_turn_buckets,
-                           engine_logprobs=mb.behavior_logprobs, trainer_logprobs=mb.trainer_logprobs)
+        return policy_loss(LossInputs(logprobs, old_logprobs, mb.advantages, mb.response_mask, denominator,
+                                      ref_logprobs=ref_logprobs, entropy=entropy, is_weights=is_weights,
+                                      turns=mb.turns, num_turns=self.num_turn_buckets,
+                                      engine_logprobs=mb.behavior_logprobs, trainer_logprobs=mb.trainer_logprobs),
+                           step.loss)
 
     @property
     def num_turn_buckets(self) -> int:
         """By-turn veto diagnostics: turns 0 .. K - 2 each, then K - 1 and later; 0 without an environment."""
-        return 0 if self.env_factory is None else min(self.cfg.env.max_turns, MAX_TURN_BUCKETS)
+        multi_turn = self.parts is not None and self.parts.env_factory is not None
+        return min(self.cfg.env.max_turns, MAX_TURN_BUCKETS) if multi_turn else 0
 
     def _optimizer_step(self, summed: dict) -> dict:
         """Clip, step (or skip a non-finite update), and finalise the update's metrics."""
@@ -400,20 +396,6 @@ class Trainer(GenerationPhase):
         return out
 
 
-def _zero_metrics(settings: LossSettings, with_ref: bool, num_turns: int = 0) -> dict[str, torch.Tensor]:
-    """Every metric key of :func:`policy_loss`, as zero [numerator, denominator] pairs.
-
-    Every rank starts from the same keys, whether or not it has sequences to train, so the
-    metric all-reduce lines up; an update with nothing to train reports NaN fractions and loss 0.
-    """
-    one = torch.zeros(1, 1)
-    _, metrics = policy_loss(one, one, torch.zeros(1), one.bool(), settings, denominator=1.0,
-                             ref_logprobs=one if with_ref else None, entropy=one,
-                             turns=one.to(torch.int8) if num_turns else None, num_turns=num_turns,
-                             engine_logprobs=one, trainer_logprobs=one)
-    return {key: torch.zeros_like(value) for key, value in metrics.items()}
-
-
 def _zero_grads(policy) -> None:
     for p in policy.parameters():
         if p.requires_grad and p.grad is None:
@@ -427,6 +409,43 @@ def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan
     return {"stage/end_reason": reason, "stage/ended_early": float(reason in ("kl", "neg_ratio")),
             "stage/num_updates": state.update_in_stage,
             "stage/passes_used": state.update_in_stage * plan.prompts_per_update / max(num_groups, 1.0)}
+
+
+@dataclass
+class ModelParts:
+    """A run's model side, as every phase that trains builds it (:func:`build_model`)."""
+
+    policy: torch.nn.Module
+    """LoRA applied (``lora.*``), prepared for the world (FSDP2 under several ranks)."""
+    ref_model: Any
+    """The frozen reference model (``loss.kl_beta > 0``), else None."""
+    device: Any
+    optimizer: Any
+    scheduler: Any
+    tokenizer: Any
+    model_path: str
+    """The HF model folder ``model.name`` resolves to (the same on every rank)."""
+
+
+def build_model(cfg: Config, plan: Plan, world, with_ref: bool | None = None) -> ModelParts:
+    """Load the tokenizer (its vocab checked against the model), the policy (with LoRA, prepared for
+    the world), the reference model (``with_ref``; default ``loss.kl_beta > 0``), the optimizer and
+    its schedule over ``plan.total_updates``. Seeds torch (``train.seed``) first."""
+    _configure_torch(cfg)
+    model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
+    model_path = dist.broadcast_object(model_path)
+    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)  # checks its vocab against the model
+    check_context(model_path, cfg, cfg.model.trust_remote_code)
+    policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
+    with_ref = cfg.loss.kl_beta > 0 if with_ref is None else with_ref
+    ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if with_ref else None
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    policy, device = dist.prepare_model(policy, cfg, world)
+    if ref_model is not None:
+        ref_model = dist.prepare_frozen(ref_model, cfg, world)
+    optimizer, scheduler = build_optimizer(policy, cfg, plan)
+    return ModelParts(policy, ref_model, device, optimizer, scheduler, tokenizer, model_path)
 
 
 def _layout_notes(policy, cfg: Config) -> list[str]:

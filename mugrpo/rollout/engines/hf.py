@@ -45,7 +45,7 @@ from transformers import (AutoModelForCausalLM, DynamicCache, GenerationConfig, 
                           TopKLogitsWarper, TopPLogitsWarper)
 
 from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
-from mugrpo.training.seeds import derive
+from mugrpo.seeds import derive
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,7 +1,7 @@
 """Environments for multi-turn and tool-using rollouts.
 
 - :mod:`.base`: the interface (skyrl-gym's ``BaseTextEnv`` shape): ``reset``, ``step`` -> StepResult.
-- :mod:`.tools`: the ``<tool_call>`` protocol, the bounded tool pool, ``tools=`` and TRL
+- :mod:`.tools`: the ``<tool_call>`` protocol, ``tools=`` and TRL
   ``environment_factory`` environments.
 - :mod:`.render`: token ids of the prompt with tools and of each environment turn (once).
 - :mod:`.builtin`: calculator, multi-attempt feedback, the skyrl-gym adapter.

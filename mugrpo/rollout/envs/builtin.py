@@ -21,7 +21,8 @@ from fractions import Fraction
 from typing import Callable, Optional
 
 from mugrpo.rollout.envs.base import Environment, StepResult
-from mugrpo.rollout.envs.tools import ToolEnvironment, ToolPool
+from mugrpo.rollout.calls import CallRunner
+from mugrpo.rollout.envs.tools import ToolEnvironment
 
 __all__ = ["calculate", "evaluate_arithmetic", "CalculatorEnvironment", "MultiAttemptEnvironment",
            "SkyRLGymEnvironment", "SKYRL_OFFLINE"]
@@ -73,8 +74,8 @@ def calculate(expression: str) -> str:
 class CalculatorEnvironment(ToolEnvironment):
     """Arithmetic with the :func:`calculate` tool; the task's correctness scores the final answer."""
 
-    def __init__(self, max_turns: int = 4, timeout_s: float = 5.0, pool: Optional[ToolPool] = None):
-        super().__init__([calculate], max_turns=max_turns, timeout_s=timeout_s, pool=pool)
+    def __init__(self, max_turns: int = 4, timeout_s: float = 5.0, runner: Optional[CallRunner] = None):
+        super().__init__([calculate], max_turns=max_turns, timeout_s=timeout_s, runner=runner)
 
 
 def _default_score(text: str, item) -> float:

@@ -23,7 +23,7 @@ __all__ = ["start_trajectories", "reset_seed"]
 
 def reset_seed(seed: int, item_index: int, member: int) -> int:
     """The seed of ``reset`` for member ``member`` of the group of the stage's ``item_index``-th item."""
-    from mugrpo.training.seeds import derive
+    from mugrpo.seeds import derive
 
     return derive(seed, "env-reset", item_index, member)
 

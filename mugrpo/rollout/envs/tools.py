@@ -1,4 +1,4 @@
-"""Tools the model calls: the text protocol, the bounded call pool and the tool environments.
+"""Tools the model calls: the text protocol and the tool environments (calls run on :mod:`mugrpo.rollout.calls`).
 
 The protocol is Hermes/Qwen's, so one parser serves every model: the model writes
 ``<tool_call>{"name": "fn", "arguments": {...}}</tool_call>`` (any number of calls, anywhere in
@@ -17,11 +17,11 @@ back to the model as ``{"error": "..."}`` and are counted in :attr:`StepResult.m
   ``tool_unknown`` (no such tool), ``tool_bad_args`` (not JSON, not an object, or arguments that do
   not bind), ``tool_exceptions`` (the tool raised) and ``tool_timeouts`` (past ``timeout_s``).
 
-Calls run on daemon threads, at most ``max_workers`` at a time across all environments of the
-process (:class:`ToolPool`), so slow tools of different trajectories overlap. A call's timeout runs
-from its submission, so waiting for a free slot counts. A timed-out call gives its slot back; its
-thread cannot be killed (Python has no thread cancellation) and runs on, unobserved, as a daemon,
-which never blocks the process from exiting.
+Calls run on the one bounded, timed runner of :mod:`mugrpo.rollout.calls` (the environment steps
+run on it too): at most 16 at a time across all tool environments of the process
+(:data:`~mugrpo.rollout.calls.TOOL_RUNNER`, unless an environment is given its own ``runner``), so
+slow tools of different trajectories overlap. A call's timeout runs from its start; a timed-out
+call gives its slot back, and its daemon thread runs on unobserved (it never blocks the exit).
 
 This module knows nothing about tokens (that is :mod:`.render`) nor about the rollout loop.
 """
@@ -32,14 +32,13 @@ import asyncio
 import inspect
 import json
 import re
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from mugrpo.rollout.calls import TOOL_RUNNER, CallRunner
 from mugrpo.rollout.envs.base import Environment, StepResult
 
-__all__ = ["ToolCall", "parse_tool_calls", "tool_schemas", "protocol_text", "ToolPool", "ToolEnvironment",
+__all__ = ["ToolCall", "parse_tool_calls", "tool_schemas", "protocol_text", "ToolEnvironment",
            "FactoryEnvironment", "COUNT_KEYS"]
 
 COUNT_KEYS = ("tool_calls", "tool_errors", "tool_unknown", "tool_bad_args", "tool_exceptions", "tool_timeouts")
@@ -124,77 +123,6 @@ def protocol_text(schemas: list[dict]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Running calls: a bounded pool of daemon threads with a timeout per call.
-
-
-class _Slot:
-    """One call's state, shared by its thread and its waiter (under ``lock``)."""
-
-    def __init__(self):
-        self.lock, self.done = threading.Lock(), threading.Event()
-        self.holding = self.abandoned = False
-        self.value: Any = None
-        self.error: Optional[BaseException] = None
-
-
-class ToolPool:
-    """Runs calls on daemon threads, at most ``max_workers`` at once (see the module docstring)."""
-
-    def __init__(self, max_workers: int = 16):
-        if max_workers < 1:
-            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        self.max_workers = max_workers
-        self._free = threading.Semaphore(max_workers)
-
-    def run(self, calls: list[Callable[[], Any]], timeout_s: float) -> list[tuple[str, Any]]:
-        """Run ``calls`` concurrently; result i is ``("ok", value)``, ``("error", exception)`` or
-        ``("timeout", None)``, each call given ``timeout_s`` from now."""
-        deadline = time.monotonic() + timeout_s
-        slots = [_Slot() for _ in calls]
-        for call, slot in zip(calls, slots):
-            threading.Thread(target=self._work, args=(call, slot), daemon=True, name="mugrpo-tool").start()
-        results = []
-        for slot in slots:
-            if slot.done.wait(max(0.0, deadline - time.monotonic())):
-                results.append(("ok", slot.value) if slot.error is None else ("error", slot.error))
-            else:
-                self._abandon(slot)
-                results.append(("timeout", None))
-        return results
-
-    def _work(self, call: Callable[[], Any], slot: _Slot) -> None:
-        self._free.acquire()
-        with slot.lock:
-            if slot.abandoned:  # timed out while queued: never run it
-                self._free.release()
-                return
-            slot.holding = True
-        try:
-            value = call()
-            slot.value = asyncio.run(value) if inspect.iscoroutine(value) else value
-        except BaseException as exc:  # noqa: BLE001 - user code: every failure is reported, none escapes
-            slot.error = exc
-        finally:
-            self._release(slot)
-            slot.done.set()
-
-    def _abandon(self, slot: _Slot) -> None:
-        with slot.lock:
-            slot.abandoned = True
-        self._release(slot)
-
-    def _release(self, slot: _Slot) -> None:
-        with slot.lock:
-            if slot.holding:
-                slot.holding = False
-                self._free.release()
-
-
-DEFAULT_POOL = ToolPool(16)
-"""The pool tool environments share unless given their own."""
-
-
-# ---------------------------------------------------------------------------------------------
 # The environments.
 
 
@@ -221,7 +149,7 @@ class ToolEnvironment(Environment):
     stop = ("</tool_call>",)
 
     def __init__(self, tools: list[Callable], max_turns: int = 4, timeout_s: float = 10.0,
-                 pool: Optional[ToolPool] = None):
+                 runner: Optional[CallRunner] = None):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if timeout_s <= 0:
@@ -232,7 +160,7 @@ class ToolEnvironment(Environment):
         self._tools = list(tools)
         self._by_name = dict(zip(names, tools))
         self.max_turns, self.timeout_s = max_turns, timeout_s
-        self.pool = pool or DEFAULT_POOL
+        self.runner = runner or TOOL_RUNNER
 
     def tools(self) -> list[Callable]:
         return list(self._tools)
@@ -262,16 +190,18 @@ class ToolEnvironment(Environment):
             else:
                 runnable.append(i)
         fns = [self._by_name[calls[i].name] for i in runnable]
-        outcomes = self.pool.run([_bound(fn, calls[i].arguments) for fn, i in zip(fns, runnable)], self.timeout_s)
-        for i, (kind, value) in zip(runnable, outcomes):
-            if kind == "ok":
-                contents[i] = _result_text(value)
-            elif kind == "timeout":
+        outcomes = self.runner.run([_bound(fn, calls[i].arguments) for fn, i in zip(fns, runnable)], self.timeout_s,
+                                   name="mugrpo-tool")
+        for i, outcome in zip(runnable, outcomes):
+            if outcome.ok:
+                contents[i] = _result_text(outcome.value)
+            elif outcome.timed_out:
                 counts["tool_timeouts"] += 1
                 contents[i] = _error(f"tool {calls[i].name!r} did not return within {self.timeout_s:g} s")
             else:
                 counts["tool_exceptions"] += 1
-                contents[i] = _error(f"{type(value).__name__}: {value}")
+                exc = outcome.exception
+                contents[i] = _error(f"{type(exc).__name__}: {exc}")
         counts["tool_errors"] = sum(counts[k] for k in ("tool_unknown", "tool_bad_args", "tool_exceptions",
                                                         "tool_timeouts"))
         return contents, counts
@@ -291,7 +221,11 @@ class ToolEnvironment(Environment):
 
 
 def _bound(fn: Callable, arguments: dict) -> Callable[[], Any]:
-    return lambda: fn(**arguments)
+    """The call, an ``async def`` tool's coroutine run to its end on the call's own thread."""
+    def call():
+        value = fn(**arguments)
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
+    return call
 
 
 class FactoryEnvironment(ToolEnvironment):
@@ -304,14 +238,14 @@ class FactoryEnvironment(ToolEnvironment):
     trajectory stops: at the final answer, at the turn limit, or at the token budget."""
 
     def __init__(self, factory: Callable[[], Any], max_turns: int = 4, timeout_s: float = 10.0,
-                 pool: Optional[ToolPool] = None):
+                 runner: Optional[CallRunner] = None):
         self.obj = factory()
         if not callable(getattr(self.obj, "reset", None)):
             raise ValueError(f"environment_factory made a {type(self.obj).__name__} without a reset(**row) method")
         methods = [getattr(self.obj, name) for name in dir(self.obj)
                    if not name.startswith("_") and name not in ("reset", "get_reward")
                    and callable(getattr(self.obj, name))]
-        super().__init__(methods, max_turns, timeout_s, pool)
+        super().__init__(methods, max_turns, timeout_s, runner)
         self._reward_so_far = 0.0
 
     def reset(self, item, seed: int) -> Optional[list[dict]]:

@@ -26,13 +26,13 @@ work and the cross-rank sums as callables):
 - **Stop** (:func:`round_decision`): when every rank holds its share of the needed groups, or
   after ``max_rounds`` rounds.
 - **Which prompts** (:func:`draw_slice`): the stage's prompt draw is one seeded sequence
-  (``Task.sample`` over the ``prompt-draw`` stream of :mod:`mugrpo.training.seeds`: concatenated
+  (``Task.sample`` over the ``prompt-draw`` stream of :mod:`mugrpo.seeds`: concatenated
   permutations of the task's items); round r takes the next slice of it. So no prompt repeats
   within a stage while the task has more, round 0 is exactly the draw a stage makes without dynamic
   sampling, and the prompts of round r are a pure function of the earlier rounds' sizes: a run
   killed between rounds and resumed draws the same ones. (One stream sliced by offset, rather than
   an independent stream per round, because independent streams would repeat prompts across rounds.)
-  Each round's engine sampling has its own seed (:func:`mugrpo.training.seeds.rollout_round_sampling`).
+  Each round's engine sampling has its own seed (:func:`mugrpo.seeds.rollout_round_sampling`).
 - **What is kept** (:func:`select_groups`): the first ``needed`` informative groups in draw order;
   if the rounds ran out short, the earliest uninformative groups fill the stage up to ``needed``
   (so the stage has the size it would have had without dynamic sampling, and a stage where nothing

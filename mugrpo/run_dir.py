@@ -13,16 +13,22 @@
       replay.json                 a replaying run's source run directory (mugrpo.training.replay)
 
 The names on disk are those of every earlier version, so old run directories keep working. Here:
-the names and small readers/writers of the stage's generation metrics; what goes in the files lives
-with their owners (:mod:`mugrpo.training.data`, :mod:`mugrpo.training.checkpoint`,
-:mod:`mugrpo.observability.loggers`).
+the names (a stage's shard and text files too), the atomic write every writer of the run directory
+uses, the error for a run directory that cannot be used, and the small readers/writers of the
+stage's generation metrics; what goes in the files lives with their owners
+(:mod:`mugrpo.training.data`, :mod:`mugrpo.training.checkpoint`, :mod:`mugrpo.observability.loggers`).
+This module sits at the bottom of the layers (docs/ARCHITECTURE.md): it imports nothing of mugrpo's
+but the errors, and no torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from mugrpo.errors import UserError
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -33,6 +39,12 @@ FINAL_MODEL_DIR = "final_model"
 STAGE_METRICS_FILE = "stage_metrics.json"
 REPLAY_FILE = "replay.json"
 ROUNDS_DIR = "rounds"
+SHARDS_FILE = "shards.json"
+"""Written by rank 0 once every rank's shard is on disk: the stage is complete."""
+
+
+class RunDirError(UserError, RuntimeError):
+    """A run directory that cannot be used as asked (taken, locked, incomplete); the message says why."""
 
 
 def stage_name(stage: int) -> str:
@@ -81,15 +93,11 @@ class RunDir:
     @staticmethod
     def stage_text(stage_dir: Path, world) -> Path:
         """The human-readable rollouts of this rank (``train.save_stage_text``)."""
-        from mugrpo.training.data import text_path
-
         return text_path(stage_dir, world.rank, world.size)
 
     @staticmethod
     def write_stage_metrics(stage_dir: Path, metrics: dict) -> None:
         """Persist the stage's generation-phase metrics (atomically), before its shards."""
-        from mugrpo.training.data import atomic_write_text  # torch: only when a stage is written
-
         Path(stage_dir).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(stage_dir) / STAGE_METRICS_FILE, json.dumps(metrics, indent=1))
 
@@ -98,3 +106,37 @@ class RunDir:
         """The metrics :meth:`write_stage_metrics` kept, or {} for a stage written before they were."""
         path = Path(stage_dir) / STAGE_METRICS_FILE
         return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def shard_path(stage_dir: Path, shard: int) -> Path:
+    """Shard ``shard`` of a stage's data (written by the rank of that number)."""
+    return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
+
+
+def text_path(stage_dir: Path, rank: int, world_size: int) -> Path:
+    """The human-readable jsonl of a rank's shard (one file, without a rank, for a single process)."""
+    return Path(stage_dir) / ("rollouts.jsonl" if world_size == 1 else f"rollouts_rank{rank}.jsonl")
+
+
+def atomic_write(path: Path, write) -> None:
+    """``write(tmp_path)``, fsync, then rename over ``path``: readers see the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text))

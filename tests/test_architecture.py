@@ -1,0 +1,92 @@
+"""The package's shape, checked on its source: layers that point one way, no long parameter lists,
+no module past STYLE's 600 lines (docs/ARCHITECTURE.md draws the layers)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mugrpo"
+
+LAYERS = [
+    {"registry", "errors", "seeds", "faults", "run_dir", "hardware"},
+    {"algo"},
+    {"models", "rollout"},
+    {"config"},
+    {"observability"},
+    {"evaluation"},
+    {"training"},
+    {"api", "cli", "__main__", "__init__"},
+]
+"""Bottom to top: a module may import its own layer's and lower layers' modules only (lazily or not)."""
+
+PUBLIC_ENTRY_POINTS = {("api.py", "train")}
+"""``mugrpo.train``: TRL-style keyword-only options a user passes by name (config, preset, reward_funcs,
+reward_weights, train_dataset, eval_dataset, run_dir, tools, environment, resume, replay)."""
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def _layer(unit: str) -> int:
+    for i, units in enumerate(LAYERS):
+        if unit in units:
+            return i
+    raise AssertionError(f"mugrpo.{unit} is in no layer of tests/test_architecture.py LAYERS (and docs/ARCHITECTURE.md)")
+
+
+def _unit(dotted: str) -> str:
+    """The layer unit of ``mugrpo.x.y``: the sub-package or top-level module ``x``."""
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _upward(here: str, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, target) of every import in ``tree`` (a module of layer unit ``here``) of a higher layer."""
+    out = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mugrpo"):
+            targets = [node.module] if node.module != "mugrpo" else [f"mugrpo.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names if a.name.startswith("mugrpo.")]
+        out += [(node.lineno, t) for t in targets if _layer(_unit(t)) > _layer(here)]
+    return out
+
+
+def test_every_import_points_down_the_layers():
+    upward = []
+    for path, tree in _modules():
+        here = _unit(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        upward += [f"{path.relative_to(PACKAGE)}:{line} imports {target}" for line, target in _upward(here, tree)]
+    assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_upward_imports_lazy_ones_too():
+    source = "from mugrpo import seeds\ndef f():\n    from mugrpo.training import trainer\n    import mugrpo.config\n"
+    assert _upward("rollout", ast.parse(source)) == [(3, "mugrpo.training"), (4, "mugrpo.config")]
+    assert _upward("training", ast.parse(source)) == []
+
+
+@pytest.mark.parametrize("limit", [8])
+def test_no_function_takes_more_than_eight_parameters(limit):
+    long = []
+    for path, tree in _modules():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+            if names and names[0] in ("self", "cls"):
+                names = names[1:]
+            count = len(names) + bool(a.vararg) + bool(a.kwarg)
+            if count > limit and (str(path.relative_to(PACKAGE)), node.name) not in PUBLIC_ENTRY_POINTS:
+                long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} takes {count}")
+    assert not long, "functions with more than 8 parameters (pass an object):\n" + "\n".join(long)
+
+
+def test_no_module_is_over_600_lines():
+    big = [f"{p.relative_to(PACKAGE)}: {n}" for p in sorted(PACKAGE.rglob("*.py"))
+           if (n := len(p.read_text().splitlines())) > 600]
+    assert not big, f"modules over STYLE's 600 lines: {big}"
