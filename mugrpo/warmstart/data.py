@@ -230,7 +230,7 @@ def _json(text: str, what: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DemonstrationError(f"{what} is a string that is not JSON ({exc.msg})") from exc
+        raise DemonstrationError(f"{what}: a string that is not JSON ({exc.msg})") from exc
 
 
 def _role(m, j: int, where: str) -> str:
