@@ -61,7 +61,8 @@ def test_prompt_completion_rows():
     assert strings.prompt == [{"role": "user", "content": "2+2?"}] and strings.turns[0].text == "4"
     cfg = TaskConfig(instruction="Box it.", few_shot=[], system_prompt="Be exact.")
     as_task = load_demonstrations([{"prompt": "2+2?", "completion": "4"}], task_cfg=cfg)[0]
-    assert as_task.prompt == [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2?\n\nBox it."}]
+    assert as_task.prompt == [{"role": "system", "content": "Be exact."},
+                              {"role": "user", "content": "2+2?\n\nBox it."}]
     lists = load_demonstrations([{"prompt": [{"role": "user", "content": "2+2?"}],
                                   "completion": [{"role": "assistant", "content": "4"}]}])[0]
     assert lists.prompt == strings.prompt and lists.turns == strings.turns
@@ -112,7 +113,8 @@ BAD = [
      r"row 1: message 1 has a tool call the rollout loop cannot parse"),
     (messages(U, {"role": "assistant", "tool_calls": [call({"expression": "1"}), call({"expression": "2"})]}),
      r"row 1: message 1 makes 2 tool calls"),
-    (messages(U, {"role": "assistant", "content": CALL + " then"}), r"row 1: message 1 has text after its </tool_call>"),
+    (messages(U, {"role": "assistant", "content": CALL + " then"}),
+     r"row 1: message 1 has text after its </tool_call>"),
     (messages(U, {"role": "user", "content": "more"}), r"row 1 has no assistant message"),
     (messages(A, U, A), r"row 1 starts with an assistant message"),
     (messages(U, A, A), r"row 1: messages 1 and 2 are both assistant"),
@@ -120,7 +122,8 @@ BAD = [
     (messages(U, {**A, "train": "yes"}), r"row 1: message 1 has train='yes'"),
     (messages({**U, "train": True}, A), r"row 1: message 0 \(user\) has train=true"),
     (messages(U, {"role": "system", "content": "s"}, A), r"row 1: message 1 is a system message"),
-    (messages({"role": "user", "content": [{"type": "text", "text": "q"}]}, A), r"row 1: message 0 \(user\) has content"),
+    (messages({"role": "user", "content": [{"type": "text", "text": "q"}]}, A),
+     r"row 1: message 0 \(user\) has content"),
     ({"text": "The sky is blue."}, r"row 1 is plain text"),
     ({"question": "q"}, r"row 1 has neither 'messages' nor 'prompt' and 'completion' \(its keys: \['question'\]\)"),
     ({**good(), "tools": "[{not json"}, r"row 1: the tools column: a string that is not JSON"),

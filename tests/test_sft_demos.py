@@ -22,7 +22,8 @@ def test_a_solved_trace_holds_the_real_tool_replies():
     # 6 * 7 = 42, then 42 + 8 = 50: each reply is the calculator's, named as the rollout loop names it
     assert [m["content"] for m in row["messages"] if m["role"] == "tool"] == ["42", "50"]
     assert row["messages"][2]["name"] == "calculate"
-    assert row["messages"][3]["tool_calls"][0]["function"] == {"name": "calculate", "arguments": {"expression": "42 + 8"}}
+    assert row["messages"][3]["tool_calls"][0]["function"] == {"name": "calculate",
+                                                                "arguments": {"expression": "42 + 8"}}
     assert row["tools"][0]["function"]["name"] == "calculate"
     with pytest.raises(ValueError, match="failed"):  # 1 / 0: a trace with a failed call is not solved
         solved_trace(prompt, [("calculate", {"expression": "1 / 0"})], "x", [calculate])

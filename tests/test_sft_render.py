@@ -57,7 +57,8 @@ def test_a_tool_call_its_reply_and_the_answer(tiny):
 
 
 def test_an_untrained_turn_keeps_its_turn_index(tiny):
-    (demo,) = one([{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "5", "train": False},
+    (demo,) = one([{"messages": [{"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "5", "train": False},
                                  {"role": "user", "content": "No."}, {"role": "assistant", "content": "4"}]}])
     ex = render_demonstration(tiny, demo)
     # "5" + EOS (turn 0, not trained), "\nu:No.\na:" (9 environment tokens), "4" + EOS (turn 1, trained)

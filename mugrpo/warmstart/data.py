@@ -190,7 +190,8 @@ def _row_messages(row: dict, where: str, task_cfg) -> list:
         if isinstance(prompt, str):
             from mugrpo.rollout.tasks import render_messages
 
-            prompt = render_messages(prompt, task_cfg) if task_cfg is not None else [{"role": "user", "content": prompt}]
+            prompt = ([{"role": "user", "content": prompt}] if task_cfg is None
+                      else render_messages(prompt, task_cfg))
         if isinstance(completion, str):
             completion = [{"role": "assistant", "content": completion}]
         if not isinstance(prompt, list) or not isinstance(completion, list):
@@ -286,7 +287,8 @@ def _policy_turn(m: dict, j: int, where: str, tools: dict) -> tuple[PolicyTurn, 
     parsed = parse_tool_calls(text)
     for call in parsed:
         if call.error is not None:
-            raise DemonstrationError(f"{where}: message {j} has a tool call the rollout loop cannot parse: {call.error}")
+            raise DemonstrationError(f"{where}: message {j} has a tool call the rollout loop cannot parse: "
+                                     f"{call.error}")
         _check_call(call.name, call.arguments, tools, f"{where}: message {j}")
     if len(parsed) > 1:
         raise DemonstrationError(f"{where}: message {j} makes {len(parsed)} tool calls; a policy turn stops at its "
