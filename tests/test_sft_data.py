@@ -104,6 +104,7 @@ U, A = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
 BAD = [
     (messages(U, {"role": "bot", "content": "a"}), r"row 1: message 1 has role 'bot'"),
     (messages(U, {"content": "a"}), r"row 1: message 1 has no role"),
+    (messages(U, A, "no"), r"row 1: message 2 has no role"),
     (messages(U, {"role": "assistant", "tool_calls": [call("{expression: 6*7")]}),
      r"row 1: message 1: the arguments of tool call 'calculate': a string that is not JSON"),
     (messages(U, {"role": "assistant", "tool_calls": [call({"expression": "1"}, name="search")]}),

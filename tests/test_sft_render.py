@@ -67,6 +67,20 @@ def test_an_untrained_turn_keeps_its_turn_index(tiny):
     assert ex.response_mask == [0, 0] + [0] * 9 + [1, 1]
 
 
+def test_without_a_chat_template_the_plain_role_lines():
+    tok = build_char_tokenizer()
+    tok.chat_template = None  # a base model: "role: content" lines, as the rollout's prompt and env turns
+    (demo,) = one([{"messages": [{"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": "5", "train": False},
+                                 {"role": "user", "content": "No."}, {"role": "assistant", "content": "4"}]}])
+    ex = render_demonstration(tok, demo)
+    assert tok.decode(ex.prompt_ids) == "user: q\nassistant:"
+    # "5" + EOS (2), "\nuser: No.\nassistant:" ("\n" 1 + "user: No." 9 + "\n" 1 + "assistant:" 10 = 21
+    # environment tokens), "4" + EOS (2)
+    assert tok.decode(ex.response_ids) == "5<eos>\nuser: No.\nassistant:4<eos>"
+    assert ex.turns == [0, 0] + [-1] * 21 + [1, 1] and ex.response_mask == [0] * 23 + [1, 1]
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from mugrpo.models.loading import load_tokenizer, resolve_model_path

@@ -155,7 +155,8 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None) -> Demonstration
         raise DemonstrationError(f"{where}: a tool is neither a named function nor a JSON schema "
                                  '{"type": "function", "function": {"name": ...}}')
     by_name = dict(zip(names, tools))
-    first = next((j for j, m in enumerate(messages) if _role(m, j, where) == "assistant"), None)
+    roles = [_role(m, j, where) for j, m in enumerate(messages)]
+    first = next((j for j, role in enumerate(roles) if role == "assistant"), None)
     if first is None:
         raise DemonstrationError(f"{where} has no assistant message: nothing to train on")
     if first == 0:
@@ -166,8 +167,8 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None) -> Demonstration
     pending: list[str] = []  # names of the calls still waiting for a tool reply
     for j in range(first, len(messages)):
         m = messages[j]
-        if m["role"] == "assistant":
-            if j > first and messages[j - 1]["role"] == "assistant":
+        if roles[j] == "assistant":
+            if j > first and roles[j - 1] == "assistant":
                 raise DemonstrationError(f"{where}: messages {j - 1} and {j} are both assistant messages; a policy "
                                          "turn is followed by the environment's turn (merge them into one)")
             turn, pending = _policy_turn(m, j, where, by_name)
