@@ -76,6 +76,26 @@ def test_the_train_flag_leaves_an_assistant_turn_out():
     assert demo.turns[0].env == [{"role": "user", "content": "No."}]
 
 
+def test_parallel_calls_are_split_one_per_turn_on_request():
+    row = {"messages": [{"role": "user", "content": "6 * 7 and 3 + 4?"},
+                        {"role": "assistant", "content": "Both.", "train": False,
+                         "tool_calls": [call({"expression": "6 * 7"}), call({"expression": "3 + 4"})]},
+                        {"role": "tool", "content": "42"}, {"role": "tool", "content": "7"},
+                        {"role": "assistant", "content": "42 and 7"}]}
+    with pytest.raises(DemonstrationError, match="row 0: message 1 makes 2 tool calls"):
+        load_demonstrations([row], tools=[calculate])
+    (demo,) = load_demonstrations([row], tools=[calculate], split_calls=True)
+    first, second, final = demo.turns
+    # the content stays with the first call; each call is followed by its own reply; the flag is kept
+    assert (first.text, first.env, first.train) == ("Both.\n" + CALL, [{"role": "tool", "content": "42",
+                                                                        "name": "calculate"}], False)
+    assert second.text == tool_call_text("calculate", {"expression": "3 + 4"}) and second.env[0]["content"] == "7"
+    assert (second.train, final.text) == (False, "42 and 7")
+    row["messages"].pop(3)  # one reply for two calls
+    with pytest.raises(DemonstrationError, match="row 0: message 1 makes 2 tool calls but is not followed by 2"):
+        load_demonstrations([row], tools=[calculate], split_calls=True)
+
+
 def test_files_and_datasets_give_the_same_demonstrations(tmp_path):
     import datasets
     import pyarrow as pa

@@ -26,7 +26,8 @@ after the last assistant message are dropped: there is nothing after them to tra
 
 The rollout loop stops a policy turn at the first ``</tool_call>`` (``ToolEnvironment.stop``), so a
 turn can make ONE call, as its last words; a message with two calls, or text after its call, could
-never be sampled and is refused (write one assistant message per call, each followed by its reply).
+never be sampled and is refused (write one assistant message per call, each followed by its reply,
+or load with ``split_calls=True``: :func:`split_parallel_calls` does that rewrite).
 
 Every problem is a :class:`DemonstrationError` naming the row and what is wrong. This module knows
 nothing about tokens (:mod:`mugrpo.warmstart.render`) nor about training.
@@ -44,7 +45,7 @@ from mugrpo.errors import TaskError
 from mugrpo.rollout.envs.tools import parse_tool_calls
 
 __all__ = ["TRAIN_KEY", "ROLES", "DemonstrationError", "PolicyTurn", "Demonstration", "load_demonstrations",
-           "read_rows", "parse_row", "tool_call_text", "tool_name"]
+           "read_rows", "parse_row", "split_parallel_calls", "tool_call_text", "tool_name"]
 
 TRAIN_KEY = "train"
 """The per-message loss override: ``"train": false`` on an assistant message leaves it out of the loss."""
@@ -88,14 +89,17 @@ def tool_name(tool) -> Optional[str]:
     return getattr(tool, "__name__", None)
 
 
-def load_demonstrations(source, tools: Iterable = (), task_cfg=None) -> list[Demonstration]:
+def load_demonstrations(source, tools: Iterable = (), task_cfg=None, split_calls: bool = False
+                        ) -> list[Demonstration]:
     """Every row of ``source`` as a :class:`Demonstration`; :class:`DemonstrationError` on the first bad
     row, or when there is none. ``tools`` apply to rows without a ``tools`` column; ``task_cfg``
-    renders string prompts as the RL task does (:func:`mugrpo.rollout.tasks.render_messages`)."""
+    renders string prompts as the RL task does (:func:`mugrpo.rollout.tasks.render_messages`);
+    ``split_calls`` rewrites parallel calls one per turn (:func:`split_parallel_calls`) instead of
+    refusing them."""
     rows = read_rows(source)
     if not rows:
         raise DemonstrationError(f"no demonstrations in {_describe(source)}: the dataset is empty")
-    return [parse_row(row, i, list(tools), task_cfg) for i, row in enumerate(rows)]
+    return [parse_row(row, i, list(tools), task_cfg, split_calls) for i, row in enumerate(rows)]
 
 
 def read_rows(source) -> list[dict]:
@@ -142,12 +146,17 @@ def _describe(source) -> str:
 # One row.
 
 
-def parse_row(row: Any, index: int, tools: list, task_cfg=None) -> Demonstration:
+def parse_row(row: Any, index: int, tools: list, task_cfg=None, split_calls: bool = False) -> Demonstration:
     """Row ``index`` as a :class:`Demonstration` (see the module docstring for the formats)."""
     where = f"demonstration row {index}"
     if not isinstance(row, dict):
         raise DemonstrationError(f"{where} is a {type(row).__name__}, not a dict")
     messages = _row_messages(row, where, task_cfg)
+    if split_calls:
+        try:
+            messages = split_parallel_calls(messages)
+        except ValueError as exc:
+            raise DemonstrationError(f"{where}: {exc}") from exc
     row_tools = _row_tools(row.get("tools"), where)
     tools = row_tools if row_tools is not None else tools
     names = [tool_name(t) for t in tools]
@@ -181,6 +190,30 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None) -> Demonstration
     if not any(t.train for t in turns):
         raise DemonstrationError(f"{where}: every assistant message has {TRAIN_KEY}=false: nothing to train on")
     return Demonstration(index, prompt, _drop_trailing_env(turns), list(tools))
+
+
+def split_parallel_calls(messages: list) -> list:
+    """``messages`` with each assistant message of k > 1 structured ``tool_calls``, followed by its k
+    tool replies, rewritten as k assistant messages of one call each, each followed by its reply (the
+    content stays with the first call): the turns the rollout loop, which stops a turn at the first
+    ``</tool_call>``, can sample. ValueError when fewer than k tool replies follow such a message."""
+    out: list = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = (m.get("tool_calls") or []) if isinstance(m, dict) and m.get("role") == "assistant" else []
+        if len(calls) < 2:
+            out.append(m)
+            i += 1
+            continue
+        replies = messages[i + 1:i + 1 + len(calls)]
+        if len(replies) < len(calls) or any(not isinstance(r, dict) or r.get("role") != "tool" for r in replies):
+            raise ValueError(f"message {i} makes {len(calls)} tool calls but is not followed by {len(calls)} "
+                             "tool replies, so its calls cannot be split one per turn")
+        for k, (call, reply) in enumerate(zip(calls, replies)):
+            out += [{**m, "content": m.get("content") if k == 0 else "", "tool_calls": [call]}, reply]
+        i += 1 + len(calls)
+    return out
 
 
 def _row_messages(row: dict, where: str, task_cfg) -> list:
