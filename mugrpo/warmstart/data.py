@@ -196,7 +196,8 @@ def split_parallel_calls(messages: list) -> list:
     """``messages`` with each assistant message of k > 1 structured ``tool_calls``, followed by its k
     tool replies, rewritten as k assistant messages of one call each, each followed by its reply (the
     content stays with the first call): the turns the rollout loop, which stops a turn at the first
-    ``</tool_call>``, can sample. ValueError when fewer than k tool replies follow such a message."""
+    ``</tool_call>``, can sample. ValueError when fewer than k tool replies follow such a message.
+    Later errors of the row number its messages as rewritten."""
     out: list = []
     i = 0
     while i < len(messages):
