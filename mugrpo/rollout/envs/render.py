@@ -98,10 +98,11 @@ def tool_messages_as_user(messages: list[dict]) -> list[dict]:
 
 def prompt_messages(tokenizer, messages: list[dict], tools: list[Callable] = ()) -> tuple[list[dict], Optional[list]]:
     """The prompt messages and the ``tools=`` argument for the template: the schemas when the
-    template renders tools, else None and the protocol text in the system message."""
+    template renders tools, else None and the protocol text in the system message. A tool is a
+    callable or its JSON schema already made (a dict, as a dataset's ``tools`` column holds)."""
     if not tools:
         return list(messages), None
-    schemas = tool_schemas(list(tools))
+    schemas = [t if isinstance(t, dict) else tool_schemas([t])[0] for t in tools]
     if supports_tools(tokenizer):
         return list(messages), schemas
     text = protocol_text(schemas)
