@@ -14,7 +14,7 @@ LAYERS = [
     {"config"},
     {"observability"},
     {"evaluation"},
-    {"training"},
+    {"training", "warmstart"},
     {"api", "cli", "__main__", "__init__"},
 ]
 """Bottom to top: a module may import its own layer's and lower layers' modules only (lazily or not)."""

@@ -104,7 +104,15 @@ def test_works_with_grpo_refreshes_and_adaptive_stages(tmp_path, tiny_model_dir,
         assert bool((~zero_variance_groups(data.rewards.view(-1, 4))).all())
     if extra:  # a guard at KL 1e-9 trips once the policy moved: short stages, each generated in rounds
         assert len(stages) > 2 and all(r["stage/num_updates"] < 4 for r in stages)
-        assert all(r["stage/num_rounds"] >= 1 for r in stages)
+    # Each stage was generated for the longest it could run: min(mu = 4, the updates left of the
+    # budget of 8) updates of 8 prompts; so an adaptive stage starting at update 6 needs 2 x 8 = 16
+    # groups, not 32, and keeps exactly that many.
+    first = 0
+    for record in stages:
+        data = StageData.load(run / "stages" / f"stage_{record['stage']:03d}" / "rollouts_rank0.safetensors")
+        assert record["stage/num_groups_needed"] == data.num_groups == 8 * min(4, 8 - first), record
+        first += record["stage/num_updates"]
+    assert first == 8
 
 
 def _cmd(run_dir, model_dir, *extra):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mugrpo.rollout.envs.builtin import calculate
-from mugrpo.training.data import SHARDS_FILE, StageData, shard_path
-from mugrpo.training.run_dir import RunDir
+from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
+from mugrpo.training.data import StageData
 from mugrpo.warmstart.data import load_demonstrations
 from mugrpo.warmstart.demos import calculator_rows, select_from_run, solved_trace, write_jsonl
 

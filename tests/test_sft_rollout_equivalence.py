@@ -15,7 +15,7 @@ from mugrpo.config import TaskConfig
 from mugrpo.models.tiny import build_char_tokenizer
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.builtin import CalculatorEnvironment, MultiAttemptEnvironment
-from mugrpo.rollout.multiturn import LoopLimits, roll_out_items
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, roll_out_items
 from mugrpo.rollout.tasks import Item, extract_boxed
 from mugrpo.warmstart.data import load_demonstrations
 from mugrpo.warmstart.demos import calculator_rows
@@ -53,8 +53,9 @@ def roll_out(tok, demos, factory, task_cfg=TaskConfig()):
     engine = DemoEngine(examples, tok.eos_token_id)
     items = [Item(f"q{d.index}", "", {}, d.prompt) for d in demos]
     limits = LoopLimits(max_turns=4, max_response_tokens=4000)
-    _, prompts, trajs = roll_out_items(engine, factory, items, SamplingConfig(max_new_tokens=2000, seed=1), limits,
-                                       group_size=1, reset_seed=0, tokenizer=tok, task_cfg=task_cfg)
+    ctx = LoopContext(engine, tok, limits, task_cfg)
+    _, prompts, trajs = roll_out_items(ctx, factory, items, SamplingConfig(n=1, max_new_tokens=2000, seed=1),
+                                       reset_seed=0)
     return examples, prompts, trajs, engine
 
 

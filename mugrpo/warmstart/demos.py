@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 from mugrpo.rollout.envs.builtin import calculate, evaluate_arithmetic
 from mugrpo.rollout.envs.tools import ToolEnvironment, tool_schemas
-from mugrpo.training.data import SHARDS_FILE, StageData, shard_path
-from mugrpo.training.run_dir import RunDir
+from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
+from mugrpo.training.data import StageData
 from mugrpo.warmstart.data import tool_call_text
 from mugrpo.warmstart.render import Example
 
