@@ -21,6 +21,7 @@ Shapes: B sequences in a micro-batch, P padded prompt length, R padded response 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -37,7 +38,9 @@ FORMAT_VERSION = 2
 ENV_TURN = -1
 """The ``turns`` value of an environment token."""
 SHARDS_FILE = "shards.json"
-"""Written by rank 0 once every rank's shard is on disk: the stage is complete."""
+"""Written by rank 0 once every rank's shard is on disk: the stage is complete. It holds
+``num_shards``, ``num_groups`` (per shard) and ``sha256`` (per shard, hex; absent in stages written
+before checksums existed, which still load unchecked)."""
 
 
 class StageDataError(UserError, RuntimeError):
@@ -57,6 +60,33 @@ def stage_dir(run_dir: Path, stage: int) -> Path:
 def shard_path(stage_dir: Path, shard: int) -> Path:
     """Shard ``shard`` of a stage's data (written by the rank of that number)."""
     return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
+
+
+def shard_checksum(path: Path) -> str:
+    """sha256 (hex) of a shard file's bytes, as recorded in :data:`SHARDS_FILE`."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_shard(path: Path, marker: dict, shard: int) -> None:
+    """StageDataError naming ``path`` when its bytes are not the ones the stage's marker (the parsed
+    :data:`SHARDS_FILE`) recorded for shard ``shard``: a damaged file, or another stage's or rank's
+    shard put in its place. A marker without checksums (an older stage) checks nothing."""
+    sums = marker.get("sha256")
+    if sums is None:
+        return
+    try:
+        expected, got = sums[shard], shard_checksum(path)
+    except (OSError, IndexError, TypeError) as exc:
+        raise StageDataError(path, exc) from exc
+    if got != expected:
+        why = ValueError(f"its sha256 is {got[:12]}... but {SHARDS_FILE} recorded {str(expected)[:12]}... for shard "
+                         f"{shard}: the file was changed, damaged, or swapped with another shard after the stage was "
+                         "written")
+        raise StageDataError(path, why) from why
 
 
 def text_path(stage_dir: Path, rank: int, world_size: int) -> Path:
