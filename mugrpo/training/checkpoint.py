@@ -244,10 +244,16 @@ def check_resume_compatible(saved: dict, current: dict, source: str = "the run's
                           "different settings")
 
 
-def truncate_metrics(path: Path, state) -> None:
-    """Drop metric lines from beyond the checkpoint being resumed, so no update is logged twice."""
+def truncate_metrics(path: Path, state, eval_cfg=None) -> None:
+    """Drop metric lines from beyond the checkpoint being resumed, so no update or evaluation is logged
+    twice: records past ``state.update``, and the evaluation at ``state.update`` itself when the resumed
+    run evaluates it again at its start (:func:`evaluated_again_at_start`; ``eval_cfg``: the run's
+    ``eval`` section, else read from the config.yaml next to ``path``). Without a checkpoint
+    (``state.update`` 0) the run starts over, so nothing of it is kept."""
     if not Path(path).is_file():
         return
+    again = evaluated_again_at_start(eval_cfg if eval_cfg is not None else _saved_eval(Path(path).parent),
+                                     state.update)
     kept = []
     for line in Path(path).read_text().splitlines():
         try:
@@ -256,11 +262,41 @@ def truncate_metrics(path: Path, state) -> None:
             continue
         if record.get("kind") == "stage":
             keep = record["stage"] < state.stage
+        elif record.get("kind") == "eval" and record.get("update", 0) == state.update:
+            keep = not again
         else:
             keep = record.get("update", 0) <= state.update
         if keep:
             kept.append(line)
     atomic_write_text(Path(path), "".join(f"{line}\n" for line in kept))
+
+
+def evaluated_again_at_start(eval_cfg, update: int) -> bool:
+    """Whether a run resumed at ``update`` evaluates that update again when it starts: the rule of
+    :meth:`mugrpo.evaluation.evaluate.TrainingEvaluator.maybe_run`, called before the first update of
+    every session (``eval.at_start`` at update 0; a multiple of ``eval.every_updates`` later). The
+    evaluation a stage end ran (``eval.every_stages``) is not repeated."""
+    if not eval_cfg.num_items:
+        return False
+    if update == 0:
+        return bool(eval_cfg.at_start)
+    return bool(eval_cfg.every_updates) and update % eval_cfg.every_updates == 0
+
+
+def _saved_eval(run_dir: Path):
+    """The ``eval`` section of ``run_dir``'s config.yaml, its defaults where it says nothing (or cannot
+    be read: resume reads and reports it on its own)."""
+    from mugrpo.config import EvalConfig
+
+    cfg = EvalConfig()
+    try:
+        values = read_config_file(RunDir(run_dir).config).get("eval") or {}
+    except ConfigError:
+        values = {}
+    for key, value in values.items() if isinstance(values, dict) else ():
+        if hasattr(cfg, key):
+            setattr(cfg, key, value)
+    return cfg
 
 
 def _rng_state() -> dict:
