@@ -298,17 +298,44 @@ def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | N
 
 
 def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:
-    """Human-readable jsonl of the stage: prompt, response, reward, advantage per sequence."""
+    """Human-readable jsonl of the stage, one trajectory a line, in reading order: its group and item,
+    the prompt text (special tokens kept: they show the chat roles), its ``turns`` (``{"role":
+    "policy", "turn": k, "text"}`` for what the policy sampled, ``{"role": "environment", "text"}`` for
+    what an environment appended, split by the stored ``turns`` array; one policy turn for single-turn
+    data), the reference answer, reward, advantage and ``end`` (``finished``: ended on EOS or the
+    environment's done; ``truncated``: at the token budget or the context). Also, as before: the whole
+    response as one text (``response``), ``finished``, ``num_tokens`` and, multi-turn,
+    ``num_policy_tokens`` and ``num_turns``."""
     G = data.group_size
     lines = []
     for s, response in enumerate(data.responses):
         g = s // G
         lines.append(json.dumps({
-            "group": g, "item": data.item_indices[g], "answer": items[data.item_indices[g]].answer,
-            "response": tokenizer.decode(response, skip_special_tokens=True),
+            "group": g, "item": data.item_indices[g],
+            "prompt": tokenizer.decode(data.prompts[g], skip_special_tokens=False),
+            "turns": _turn_texts(response, data.turns_of(s), tokenizer),
+            "answer": items[data.item_indices[g]].answer,
             "reward": float(data.rewards[s]), "advantage": round(float(data.advantages[s]), 6),
+            "end": "finished" if bool(data.finished[s]) else "truncated",
+            "response": tokenizer.decode(response, skip_special_tokens=True),
             "finished": bool(data.finished[s]), "num_tokens": len(response),
             **({} if data.turns is None else {"num_policy_tokens": data.num_policy_tokens(s),
                                               "num_turns": 1 + max(data.turns[s], default=0)}),
-        }))
+        }, ensure_ascii=False))
     atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _turn_texts(response: list[int], turns: list[int], tokenizer) -> list[dict]:
+    """The response cut where its turn index changes: policy turns decoded without special tokens (as
+    ``response`` is), environment turns with them (their chat markup is what the policy read)."""
+    out, start = [], 0
+    for end in range(1, len(response) + 1):
+        if end < len(response) and turns[end] == turns[start]:
+            continue
+        k, ids = turns[start], response[start:end]
+        if k == ENV_TURN:
+            out.append({"role": "environment", "text": tokenizer.decode(ids, skip_special_tokens=False)})
+        else:
+            out.append({"role": "policy", "turn": k, "text": tokenizer.decode(ids, skip_special_tokens=True)})
+        start = end
+    return out
