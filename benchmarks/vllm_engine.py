@@ -45,9 +45,19 @@ DOC = ROOT / "docs" / "VLLM.md"
 BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
 
 
-def default_job(num_prompts: int, dtype: str):
+def job_config(dtype: str) -> Config:
+    """The default config with the engines' dtype ``dtype``; ``auto`` (the config's default) resolved as
+    training resolves it on this machine (the trainer's precision: bfloat16 under bf16 autocast, else
+    float32), since the engines themselves take a concrete dtype (the HF engine had a KeyError on it)."""
+    from mugrpo.hardware import detect, resolve
+
     cfg = Config()
-    cfg.rollout.dtype = dtype
+    cfg.rollout.dtype = resolve(cfg.train.autocast, dtype, "hf", detect()).engine_dtype
+    return cfg
+
+
+def default_job(num_prompts: int, dtype: str):
+    cfg = job_config(dtype)
     path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
     tokenizer = load_tokenizer(path)
     task = build_task(cfg.task)
@@ -172,7 +182,7 @@ def main() -> None:
                         help="torch / OpenMP threads for every engine (default: torch's). On a shared machine "
                              "1 thread is far steadier: 2 OpenMP threads that lose a core to another process "
                              "spin at barriers and run several times slower")
-    parser.add_argument("--dtype", default=Config().rollout.dtype, help="engine dtype (default: the config's)")
+    parser.add_argument("--dtype", default=Config().rollout.dtype, help="engine dtype (default: the config's, auto: resolved as training does)")
     parser.add_argument("--skip-hf", action="store_true", help="skip the (slow) HF-engine comparison")
     parser.add_argument("--skip-subprocess", action="store_true", help="skip the subprocess-engine start-up/sync")
     parser.add_argument("--raw-defaults-sizes", type=int, nargs="*", default=None,
@@ -190,7 +200,7 @@ def main() -> None:
     cfg, path, tokenizer, prompts, sampling = default_job(max(job_prompts, max(args.sizes) // G), args.dtype)
     if args.threads:  # the subprocess engine core binds its own threads
         cfg.rollout.vllm.cpu_threads_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
-    results: dict = {"model": cfg.model.name, "dtype": args.dtype, "group_size": G, "argv": sys.argv[1:],
+    results: dict = {"model": cfg.model.name, "dtype": cfg.rollout.dtype, "group_size": G, "argv": sys.argv[1:],
                      "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                      "cpu_count": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                      "torch": torch.__version__, "threads": torch.get_num_threads(),

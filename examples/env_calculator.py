@@ -1,4 +1,10 @@
-"""Train SmolLM2 to call a calculator tool on arithmetic it cannot do in its head.
+"""Run GRPO on SmolLM2 with a calculator tool available, on arithmetic it cannot do in its head.
+
+What this shows is the wiring (a tool given as a Python function, the ``<tool_call>`` protocol, the
+multi-turn rollout and its metrics), not a model learning to use the tool: measured, SmolLM2-135M-
+Instruct never emits a tool call here (``env/tool_calls`` stays 0), so there is no tool-use reward
+signal to learn from (docs/BENCHMARKS.md section 8). A model that already calls tools, or one first
+taught the protocol (SFT), is needed for that.
 
     .venv/bin/python examples/env_calculator.py                     # SmolLM2-135M-Instruct, 8 updates
     .venv/bin/python examples/env_calculator.py --updates 32 --run-dir runs/calculator

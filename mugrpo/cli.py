@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = _resolve(args)
             print(format_plan(make_plan(cfg), cfg))
+            print(_environment_plan(cfg), end="")
             return 0
         if args.verb == "config":
             return _config_verb(args)
@@ -78,6 +79,18 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:  # every module's user-facing error derives from it (mugrpo/errors.py)
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _environment_plan(cfg) -> str:
+    """What ``task.env`` / ``task.tools`` make, from one environment built as training builds it (so a
+    path that does not import, or arguments it does not take, exit 2 here too); "" for single-turn."""
+    if cfg.task.env is None and not cfg.task.tools:
+        return ""
+    from mugrpo.rollout.envs.build import build_env_factory, describe_env
+
+    rows = describe_env(build_env_factory(cfg.task, cfg.env))
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 
 
 def _config_verb(args) -> int:

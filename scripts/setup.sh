@@ -10,7 +10,7 @@ stamp=".venv/.setup-$( (cat requirements.lock pyproject.toml; echo "$TORCH_REQ")
 if [ -f "$stamp" ] && [ -x .venv/bin/mugrpo ]; then
   exit 0
 fi
-echo "[setup] creating .venv and installing pinned packages (about 1-2 minutes, once)" >&2
+echo "[setup] creating .venv and installing pinned packages (about 2-4 minutes, once: the network and pip's cache decide)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip -q --disable-pip-version-check "$@" 2> >(grep -v "is ignored: it is neither" >&2); }
 pip install "$TORCH_REQ"

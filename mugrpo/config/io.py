@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
 import types
 import typing
 from pathlib import Path
@@ -203,7 +204,8 @@ def read_run_config(run_dir: str | Path, what: str, required: bool = True) -> di
 
 def to_dict(cfg: Config) -> dict:
     """The config as plain data; a reward, tool or environment given as a Python object is written
-    ``python:module.qualname``."""
+    ``python:module.qualname``, and so is any value of ``task.env_args`` that YAML cannot hold (a
+    function, an object: :func:`plain_data`)."""
     from mugrpo.rollout.rewards import function_label
 
     def label(value):
@@ -211,8 +213,28 @@ def to_dict(cfg: Config) -> dict:
 
     rewards = [{**spec, "fn": label(spec["fn"])} if isinstance(spec, dict) else spec for spec in cfg.task.rewards]
     task = dataclasses.replace(cfg.task, rewards=rewards, env=label(cfg.task.env),
-                               tools=[label(t) for t in cfg.task.tools])
+                               tools=[label(t) for t in cfg.task.tools], env_args=plain_data(cfg.task.env_args))
     return dataclasses.asdict(dataclasses.replace(cfg, task=task))
+
+
+def plain_data(value: Any) -> Any:
+    """``value`` as what a YAML file can hold: mappings, lists (a tuple becomes one), strings, numbers,
+    booleans and null are kept; anything else (a function, a class, an object) becomes its
+    ``python:module.qualname`` label, as a reward or tool given from Python is recorded. A run that
+    read the label back refuses it when its environment is built (:mod:`mugrpo.rollout.envs.build`)."""
+    from mugrpo.rollout.rewards import function_label
+
+    if isinstance(value, dict):
+        return {k if isinstance(k, (str, int, float, bool)) else str(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_data(v) for v in value]
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):  # also numpy's integers, which YAML's writer refuses
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return function_label(value)
 
 
 def dump_yaml(cfg: Config) -> str:

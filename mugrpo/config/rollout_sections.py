@@ -18,6 +18,11 @@ from mugrpo.rollout.engines import ENGINES
 
 DEFAULT_INSTRUCTION = "Put your final answer within \\boxed{}."
 DEFAULT_FEW_SHOT = [{"question": "What is 3 + 4?", "answer": "3 + 4 = 7. The final answer is \\boxed{7}."}]
+MAX_OVERSAMPLE = 16.0
+"""The largest ``rollout.dynamic_oversample``: round 0 holds all its sequences in memory at once, so
+above it a stage's first round would generate more than 16 stages' worth (1e9 would try to allocate
+billions of prompts). A task whose informative fraction is below 1/16 needs an easier task or a larger
+group, not more oversampling."""
 
 
 @dataclass
@@ -221,8 +226,9 @@ class RolloutConfig:
     rounds and keep only informative ones (nonzero reward variance) until the stage holds the groups
     its updates draw, or ``dynamic_max_rounds`` rounds are done. Off: every drawn group is kept."""
     dynamic_oversample: float = 2.0
-    """Dynamic sampling: round 0 draws this many times the groups the stage needs (>= 1); later
-    rounds are sized from the informative fraction seen so far, never larger than round 0."""
+    """Dynamic sampling: round 0 draws this many times the groups the stage needs (1..16: round 0's
+    sequences are all in memory at once); later rounds are sized from the informative fraction seen so
+    far, never larger than round 0."""
     dynamic_max_rounds: int = 4
     """Dynamic sampling: the most generation rounds per stage (>= 1); short after the last one, the
     stage is filled with uninformative groups and the run goes on."""
@@ -246,8 +252,10 @@ class RolloutConfig:
         if self.prompts_per_stage is not None:
             check(self.prompts_per_stage >= 1, "rollout.prompts_per_stage", "an integer >= 1 or null",
                    self.prompts_per_stage)
-        check(math.isfinite(self.dynamic_oversample) and self.dynamic_oversample >= 1, "rollout.dynamic_oversample",
-               "a finite number >= 1 (round 0 draws at least the groups the stage needs)", self.dynamic_oversample)
+        check(1 <= self.dynamic_oversample <= MAX_OVERSAMPLE, "rollout.dynamic_oversample",
+               f"a number in 1..{MAX_OVERSAMPLE:g} (round 0 draws at least the groups the stage needs, and holds "
+               f"its sequences in memory at once: more than {MAX_OVERSAMPLE:g} stages' worth is refused)",
+               self.dynamic_oversample)
         check(self.dynamic_max_rounds >= 1, "rollout.dynamic_max_rounds",
                "an integer >= 1 (the generation rounds of a stage with dynamic sampling)", self.dynamic_max_rounds)
         check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "an integer >= 1", self.max_new_tokens)

@@ -348,6 +348,23 @@ def _environment_section(envs: dict) -> list[str]:
     parts += ["The veto by turn (mean over updates): the turn of a response's first trigger, and the vetoed share "
               "of each turn's policy tokens (the last turn column: that turn and later ones).\n",
               _table(["run", *turn_keys], rows)]
+    return parts + _environment_stages(envs)
+
+
+def _environment_stages(envs: dict) -> list[str]:
+    """Per run, one row per stage: how the environment numbers change as the policy trains (the end
+    reasons that occur in the run, turns, the environment-token share, its reward, tool counts)."""
+    parts = ["### Environments by stage\n"]
+    for label, e in envs.items():
+        stages = e["by_stage"]
+        reasons = [r for r in (k.removeprefix("env/num_") for k in rd.ENV_END_KEYS)
+                   if r == "done" or any(s["end_frac"][r] > 0 for s in stages)]
+        tools = sorted({k for s in stages for k in s["tools"]})
+        rows = [[str(s["stage"]), _num(s["num_trajectories"], "{:.0f}"), _num(s["turns_mean"], "{:.2f}"),
+                 _num(s["env_token_frac"]), _num(s["reward_mean"], "{:.4g}"), *(_num(s["end_frac"][r]) for r in reasons),
+                 *(_num(s["tools"].get(k, math.nan), "{:.0f}") for k in tools)] for s in stages]
+        parts += [f"{label}:\n", _table(["stage", "trajectories", "turns mean", "env token frac", "env reward mean",
+                                         *(f"{r} frac" for r in reasons), *tools], rows)]
     return parts
 
 

@@ -258,7 +258,7 @@ def environment_summary(run: Run) -> Optional[dict]:
     reasons also as fractions of all trajectories; ``turns_mean`` and ``env_token_frac`` (environment
     tokens / all response tokens) are over all trajectories; ``veto_by_turn``: each
     ``loss/veto_token_frac_turn{k}`` and ``loss/first_trigger_turn`` averaged over updates (NaN ones
-    left out).
+    left out); ``by_stage``: the same per stage (:func:`environment_stage`), to show change.
     """
     stages = [s for s in run.stages if "env/num_done" in s]
     if not stages:
@@ -282,4 +282,20 @@ def environment_summary(run: Run) -> Optional[dict]:
                          for k in ENV_END_KEYS},
             "turns_mean": turns / num if num else math.nan,
             "env_token_frac": counts.get("env/num_env_tokens", 0.0) / tokens if tokens else math.nan,
-            "veto_by_turn": by_turn}
+            "veto_by_turn": by_turn, "by_stage": [environment_stage(s) for s in stages]}
+
+
+def environment_stage(s: dict) -> dict:
+    """One stage record's multi-turn numbers: its trajectories, end fractions, turns mean, environment
+    token fraction, environment reward mean and tool counts (``env/tool_*``)."""
+    def count(key: str) -> float:  # a count an older run did not log is 0, as in the totals
+        v = value(s, key)
+        return 0.0 if math.isnan(v) else v
+
+    num = sum(count(k) for k in ENV_END_KEYS)
+    tokens = count("env/num_policy_tokens") + count("env/num_env_tokens")
+    return {"stage": s.get("stage"), "num_trajectories": num,
+            "end_frac": {k.removeprefix("env/num_"): count(k) / num if num else math.nan for k in ENV_END_KEYS},
+            "turns_mean": value(s, "env/turns_mean"), "reward_mean": value(s, "env/reward_mean"),
+            "env_token_frac": count("env/num_env_tokens") / tokens if tokens else math.nan,
+            "tools": {k: count(k) for k in s if k.startswith("env/tool_")}}

@@ -234,10 +234,15 @@ def check_resume_compatible(saved: dict, current: dict, source: str = "the run's
                           "different settings")
 
 
-def truncate_metrics(path: Path, state) -> None:
-    """Drop metric lines from beyond the checkpoint being resumed, so no update is logged twice."""
+def truncate_metrics(path: Path, state, eval_cfg) -> None:
+    """Drop metric lines from beyond the checkpoint being resumed, so no update or evaluation is logged
+    twice: records past ``state.update``, and the evaluation at ``state.update`` itself when the resumed
+    run evaluates it again at its start (:func:`evaluated_again_at_start`; ``eval_cfg``: the resumed
+    run's ``eval`` section). Without a checkpoint
+    (``state.update`` 0) the run starts over, so nothing of it is kept."""
     if not Path(path).is_file():
         return
+    again = evaluated_again_at_start(eval_cfg, state.update)
     kept = []
     for line in Path(path).read_text().splitlines():
         try:
@@ -246,11 +251,22 @@ def truncate_metrics(path: Path, state) -> None:
             continue
         if record.get("kind") == "stage":
             keep = record["stage"] < state.stage
+        elif record.get("kind") == "eval" and record.get("update", 0) == state.update:
+            keep = not again
         else:
             keep = record.get("update", 0) <= state.update
         if keep:
             kept.append(line)
     atomic_write_text(Path(path), "".join(f"{line}\n" for line in kept))
+
+
+def evaluated_again_at_start(eval_cfg, update: int) -> bool:
+    """Whether a run resumed at ``update`` evaluates that update again when it starts (the evaluator's
+    own rule, :func:`mugrpo.training.evaluator.due_in_loop`, run before the first update of every
+    session). The evaluation a stage end ran (``eval.every_stages``) is not repeated."""
+    from mugrpo.training.evaluator import due_in_loop
+
+    return bool(eval_cfg.num_items) and due_in_loop(eval_cfg, update)
 
 
 def _rng_state() -> dict:

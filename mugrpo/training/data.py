@@ -21,6 +21,7 @@ Shapes: B sequences in a micro-batch, P padded prompt length, R padded response 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -46,6 +47,33 @@ class StageDataError(UserError, RuntimeError):
         super().__init__(f"stage data file {path} cannot be read ({why}): "
                          f"damaged or incomplete. Delete the folder {path.parent} and resume (mugrpo train "
                          "--resume RUN_DIR): that stage's data is then generated again, by the resumed policy")
+
+
+def shard_checksum(path: Path) -> str:
+    """sha256 (hex) of a shard file's bytes, as recorded in :data:`SHARDS_FILE`."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_shard(path: Path, marker: dict, shard: int) -> None:
+    """StageDataError naming ``path`` when its bytes are not the ones the stage's marker (the parsed
+    :data:`SHARDS_FILE`) recorded for shard ``shard``: a damaged file, or another stage's or rank's
+    shard put in its place. A marker without checksums (an older stage) checks nothing."""
+    sums = marker.get("sha256")
+    if sums is None:
+        return
+    try:
+        expected, got = sums[shard], shard_checksum(path)
+    except (OSError, IndexError, TypeError) as exc:
+        raise StageDataError(path, exc) from exc
+    if got != expected:
+        why = ValueError(f"its sha256 is {got[:12]}... but {SHARDS_FILE} recorded {str(expected)[:12]}... for shard "
+                         f"{shard}: the file was changed, damaged, or swapped with another shard after the stage was "
+                         "written")
+        raise StageDataError(path, why) from why
 
 
 @dataclass
@@ -228,17 +256,44 @@ def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | N
 
 
 def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:
-    """Human-readable jsonl of the stage: prompt, response, reward, advantage per sequence."""
+    """Human-readable jsonl of the stage, one trajectory a line, in reading order: its group and item,
+    the prompt text (special tokens kept: they show the chat roles), its ``turns`` (``{"role":
+    "policy", "turn": k, "text"}`` for what the policy sampled, ``{"role": "environment", "text"}`` for
+    what an environment appended, split by the stored ``turns`` array; one policy turn for single-turn
+    data), the reference answer, reward, advantage and ``end`` (``finished``: ended on EOS or the
+    environment's done; ``truncated``: at the token budget or the context). Also, as before: the whole
+    response as one text (``response``), ``finished``, ``num_tokens`` and, multi-turn,
+    ``num_policy_tokens`` and ``num_turns``."""
     G = data.group_size
     lines = []
     for s, response in enumerate(data.responses):
         g = s // G
         lines.append(json.dumps({
-            "group": g, "item": data.item_indices[g], "answer": items[data.item_indices[g]].answer,
-            "response": tokenizer.decode(response, skip_special_tokens=True),
+            "group": g, "item": data.item_indices[g],
+            "prompt": tokenizer.decode(data.prompts[g], skip_special_tokens=False),
+            "turns": _turn_texts(response, data.turns_of(s), tokenizer),
+            "answer": items[data.item_indices[g]].answer,
             "reward": float(data.rewards[s]), "advantage": round(float(data.advantages[s]), 6),
+            "end": "finished" if bool(data.finished[s]) else "truncated",
+            "response": tokenizer.decode(response, skip_special_tokens=True),
             "finished": bool(data.finished[s]), "num_tokens": len(response),
             **({} if data.turns is None else {"num_policy_tokens": data.num_policy_tokens(s),
                                               "num_turns": 1 + max(data.turns[s], default=0)}),
-        }))
+        }, ensure_ascii=False))
     atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def _turn_texts(response: list[int], turns: list[int], tokenizer) -> list[dict]:
+    """The response cut where its turn index changes: policy turns decoded without special tokens (as
+    ``response`` is), environment turns with them (their chat markup is what the policy read)."""
+    out, start = [], 0
+    for end in range(1, len(response) + 1):
+        if end < len(response) and turns[end] == turns[start]:
+            continue
+        k, ids = turns[start], response[start:end]
+        if k == ENV_TURN:
+            out.append({"role": "environment", "text": tokenizer.decode(ids, skip_special_tokens=False)})
+        else:
+            out.append({"role": "policy", "turn": k, "text": tokenizer.decode(ids, skip_special_tokens=True)})
+        start = end
+    return out

@@ -23,6 +23,15 @@ from mugrpo.training import distributed as dist
 from mugrpo.training.samplers import RolloutParts
 
 
+def due_in_loop(eval_cfg, update: int) -> bool:
+    """Whether :meth:`TrainingEvaluator.maybe_run` evaluates at ``update``: the initial policy
+    (``eval.at_start``, update 0) and every ``eval.every_updates`` updates. A resumed run calls it
+    before its first update too, so the checkpoint's truncation of metrics.jsonl asks the same."""
+    if update == 0:
+        return bool(eval_cfg.at_start)
+    return bool(eval_cfg.every_updates) and update % eval_cfg.every_updates == 0
+
+
 class TrainingEvaluator:
     """Evaluation inside the training loop (config ``eval.*``); the loop calls two methods.
 
@@ -72,10 +81,7 @@ class TrainingEvaluator:
         """``stage_ends``: this update ends its stage (mu reached, the budget, or an adaptive guard)."""
         if not self.enabled or stage_ends:
             return
-        e = self.cfg.eval
-        at_start = state.update == 0 and e.at_start
-        periodic = state.update > 0 and e.every_updates and state.update % e.every_updates == 0
-        if at_start or periodic:
+        if due_in_loop(self.cfg.eval, state.update):
             seconds = self._run(state)
             if state.update_in_stage > 0:
                 self.in_loop_s += seconds

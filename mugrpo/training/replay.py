@@ -25,7 +25,7 @@ from mugrpo.config import Config, ConfigError, from_dict, read_run_config
 from mugrpo.config.plan import make_plan
 from mugrpo.errors import UserError
 from mugrpo.run_dir import SHARDS_FILE, STAGE_METRICS_FILE, RunDir, RunDirError, atomic_write, shard_path, text_path
-from mugrpo.training.data import StageData, StageDataError
+from mugrpo.training.data import StageData, StageDataError, check_shard
 
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
@@ -76,7 +76,8 @@ def _same_path(a: str, b: str) -> bool:
 
 
 def complete_stages(run_dir: Path) -> tuple[int, ...]:
-    """Stages 0..k-1 of ``run_dir`` whose completion marker and every listed shard exist."""
+    """Stages 0..k-1 of ``run_dir`` whose completion marker lists at least one shard and every listed
+    shard exists (a marker listing none marks no data: never a complete, empty stage)."""
     out, k = [], 0
     while True:
         folder = stage_dir(run_dir, k)
@@ -84,7 +85,7 @@ def complete_stages(run_dir: Path) -> tuple[int, ...]:
             num_shards = int(json.loads((folder / SHARDS_FILE).read_text())["num_shards"])
         except (OSError, ValueError, KeyError, TypeError):
             break
-        if not all(shard_path(folder, s).is_file() for s in range(num_shards)):
+        if num_shards < 1 or not all(shard_path(folder, s).is_file() for s in range(num_shards)):
             break
         out.append(k)
         k += 1
@@ -114,8 +115,8 @@ def check_source(source_dir: str | Path, cfg: Config, world_size: int = 1) -> Re
         raise ReplayError(f"{where}: its config.yaml cannot be used ({exc})") from exc
     stages = complete_stages(source)
     if not stages:
-        raise ReplayError(f"{where} holds no complete stage (stages/stage_000/{SHARDS_FILE} and its shards); "
-                          "replay needs a run that generated at least one stage")
+        raise ReplayError(f"{where} holds no complete stage (stages/stage_000/{SHARDS_FILE} listing at least one "
+                          "shard, and its shards); replay needs a run that generated at least one stage")
     for key, why in MATCH_KEYS.items():
         mine, theirs = _get(cfg, key), _get(src_cfg, key)
         if key in ("model.name", "task.name") and _same_path(mine, theirs):
@@ -135,10 +136,12 @@ def check_source(source_dir: str | Path, cfg: Config, world_size: int = 1) -> Re
     return ReplaySource(source, src_cfg, stages)
 
 
-def load_source_stage(source: ReplaySource, stage: int, shard: int) -> StageData:
-    """Shard ``shard`` of the source's stage ``stage``; ReplayError naming the file if it is gone or damaged."""
+def load_source_stage(source: ReplaySource, stage: int, shard: int, marker: dict | None = None) -> StageData:
+    """Shard ``shard`` of the source's stage ``stage``; ReplayError naming the file if it is gone or damaged,
+    or (``marker``: the stage's parsed shards.json) its bytes are not the ones recorded there."""
     path = shard_path(stage_dir(source.run_dir, stage), shard)
     try:
+        check_shard(path, marker or {}, shard)
         return StageData.load(path)
     except StageDataError as exc:
         raise ReplayError(f"replay source file {path} cannot be read ({exc.__cause__ or exc}): it was deleted or "
@@ -178,9 +181,12 @@ def copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, *, need_t
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ReplayError(f"replay source file {marker} cannot be read ({exc}): it was deleted or damaged after "
                           "this run started") from exc
+    if num_shards < 1:
+        raise ReplayError(f"replay source file {marker} lists no shards (num_shards={num_shards}), so stage {stage} "
+                          "holds no data; it was damaged after this run started. Restore it, or replay another run")
     num_groups = 0
     for shard in range(num_shards):
-        data = load_source_stage(source, stage, shard)
+        data = load_source_stage(source, stage, shard, meta)
         path = shard_path(src, shard)
         if need_trainer_logprobs and data.trainer_logprobs is None:
             raise ReplayError(f"replay source file {path} holds no trainer log-probs (the source ran with "

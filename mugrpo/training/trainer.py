@@ -209,7 +209,7 @@ class Trainer:
         self.state = ckpt.load_latest(self.run_dir.path, self.policy, self.optimizer, self.scheduler,
                                       self.world) or RunState()
         if self.world.is_main:
-            ckpt.truncate_metrics(self.run_dir.metrics, self.state)
+            ckpt.truncate_metrics(self.run_dir.metrics, self.state, self.cfg.eval)
 
     def start(self) -> None:
         """Open the logger, print the plan, and set up evaluation."""

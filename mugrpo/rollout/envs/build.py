@@ -13,7 +13,10 @@ The keys read (their schema and documentation live with the config):
   ``timeout_s`` when it takes them and ``task.env_args`` does not set them.
 
 Mistakes raise :class:`mugrpo.errors.ConfigError` naming the key, at start: the factory is tried
-once (an instance made and closed) before any stage runs. This module knows nothing about the loop.
+(two instances made and closed) before any stage runs, and what they are is checked: a ``max_turns``
+of at least 1, and the same stop strings (one engine call samples a whole stage's turns, so its
+environments must agree on where a turn ends). :func:`describe_env` says what the factory makes
+(``mugrpo plan`` prints it). This module knows nothing about the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
-__all__ = ["build_env_factory", "resolve_tools", "task_score"]
+__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score"]
 
 
 def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
@@ -38,6 +41,7 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
     a ``score`` argument (``multi_attempt``)."""
     spec, args = getattr(task_cfg, "env", None), dict(getattr(task_cfg, "env_args", None) or {})
     tools = resolve_tools(getattr(task_cfg, "tools", None) or [])
+    _refuse_labels(args)
     if spec is None:
         if args:
             raise ConfigError(f"task.env_args={args} without task.env: set task.env (one of "
@@ -51,7 +55,8 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
                           "give the tools to your environment's tools() instead, or drop task.env")
     target = _resolve_env(spec)
     if isinstance(target, type) and issubclass(target, Environment):
-        return _checked(functools.partial(target, **_defaults(target, args, env_cfg, task)), "task.env_args")
+        return _checked(functools.partial(target, **_defaults(target, args, env_cfg, task)), "task.env_args",
+                        "max_turns" in args)
     if not callable(target):
         raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
     return _from_callable(target, args, env_cfg)
@@ -99,21 +104,74 @@ def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
                           f"failed: {type(exc).__name__}: {exc}") from exc
     if isinstance(probe, Environment):
         probe.close()
-        return functools.partial(make, **args)
+        return _checked(functools.partial(make, **args), "task.env", "max_turns" in args)
     if args:
         raise ConfigError(f"task.env_args={args}: a TRL environment_factory is called without arguments")
     return _checked(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s),
                     "task.env")
 
 
-def _checked(factory: EnvFactory, key: str) -> EnvFactory:
-    """``factory`` once it has made (and closed) one environment; ConfigError naming ``key`` if not."""
+def _checked(factory: EnvFactory, key: str, max_turns_given: bool = False) -> EnvFactory:
+    """``factory`` once it has made (and closed) two environments with a valid ``max_turns`` and the
+    same stop strings; ConfigError naming ``key`` if not (``task.env_args.max_turns`` when
+    ``max_turns_given``: the value came from there)."""
+    envs = []
     try:
-        env = factory()
+        for _ in range(2):
+            envs.append(factory())
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{key}: {exc}") from exc
-    env.close()
+    finally:
+        for env in envs:
+            env.close()
+    first, second = envs
+    name = type(first).__name__
+    key = "task.tools" if key == "task.tools" else "task.env"  # what the environments are, not their arguments
+    turns = getattr(first, "max_turns", None)
+    if not (isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1):
+        where = "task.env_args.max_turns" if max_turns_given else f"{key} ({name}.max_turns)"
+        raise ConfigError(f"{where}={turns!r} is out of range; accepted: an integer >= 1 (policy turns per "
+                          "trajectory; env.max_turns caps it too)")
+    stops = [getattr(env, "stop", None) for env in envs]
+    for env, stop in zip(envs, stops):
+        if not (isinstance(stop, (tuple, list)) and all(isinstance(x, str) and x for x in stop)):
+            raise ConfigError(f"{key}: {type(env).__name__}.stop={stop!r}; accepted: a tuple of non-empty strings")
+    if tuple(stops[0]) != tuple(stops[1]):
+        raise ConfigError(f"{key}: two environments made by it stop a turn on different strings ({name}: "
+                          f"{tuple(stops[0])!r}, {type(second).__name__}: {tuple(stops[1])!r}); the environments of "
+                          "one run must share their stop strings (one engine call samples every trajectory's "
+                          "turn): give them the same stop tuple")
     return factory
+
+
+def describe_env(factory: Optional[EnvFactory]) -> list[tuple[str, str]]:
+    """(label, value) rows of what ``factory`` makes: its name, tools, max turns and stop strings
+    (one instance made and closed); [] for a single-turn run."""
+    if factory is None:
+        return []
+    env = factory()
+    try:
+        tools = [getattr(t, "__name__", type(t).__name__) for t in env.tools()]
+        return [("environment", f"{type(env).__module__}.{type(env).__qualname__}"),
+                ("environment tools", ", ".join(tools) if tools else "none"),
+                ("environment max turns", str(env.max_turns)),
+                ("environment stop strings", ", ".join(repr(s) for s in env.stop) if env.stop else "none (EOS only)")]
+    finally:
+        env.close()
+
+
+def _refuse_labels(args: dict, key: str = "task.env_args") -> None:
+    """A ``python:`` label read back from config.yaml stands for a Python object mugrpo.train was given in
+    ``task.env_args``; the object itself is gone, so the environment cannot get it."""
+    for name, value in args.items():
+        where = f"{key}.{name}"
+        if isinstance(value, dict):
+            _refuse_labels(value, where)
+        elif isinstance(value, str) and value.startswith(PYTHON_PREFIX):
+            raise ConfigError(f"{where}={value!r} was a Python object passed to mugrpo.train; a config file cannot "
+                              "hold it, so this run cannot get it back. Bind it into the environment instead "
+                              "(environment=functools.partial(MyEnv, name=obj), which a resume from Python "
+                              "passes again) and keep task.env_args to plain values")
 
 
 def resolve_tools(specs: list) -> list[Callable]:
