@@ -2,16 +2,19 @@
 # Does this checkout train exactly as an earlier commit does? Runs the same short deterministic run
 # of the tiny model (built in code, HF engine, float32) with both, then compares every metric
 # (perf/* and time_s aside) and the final weights bitwise. Used to check refactors (issue 19).
-#   bash benchmarks/same_result.sh OLD_COMMIT [key=value ...]
+#   bash benchmarks/same_result.sh OLD_COMMIT [key=value ... | --replay SOURCE_RUN]
 # Needs .venv (bash scripts/setup.sh). Writes into a temporary folder; prints the differences.
+# MUGRPO_SAME_MODEL=DIR uses the tiny model in DIR (built there if missing) instead of a fresh one, so a
+# replay source made with that model can be replayed by both sides (replay checks model.name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old=${1:?usage: bash benchmarks/same_result.sh OLD_COMMIT [key=value ...]}; shift
 here=$PWD; tmp=$(mktemp -d); trap 'git -C "$here" worktree remove --force "$tmp/old" >/dev/null 2>&1 || true; rm -rf "$tmp"' EXIT
 git worktree add -q --detach "$tmp/old" "$old"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-PYTHONPATH=$here .venv/bin/python -c "from mugrpo.models.tiny import build_tiny_model; build_tiny_model('$tmp/model')"
-args=(model.name="$tmp/model" "task.few_shot=[]" task.instruction= rollout.max_new_tokens=8 train.autocast=none
+model=${MUGRPO_SAME_MODEL:-$tmp/model}
+[ -f "$model/config.json" ] || PYTHONPATH=$here .venv/bin/python -c "from mugrpo.models.tiny import build_tiny_model; build_tiny_model('$model')"
+args=(model.name="$model" "task.few_shot=[]" task.instruction= rollout.max_new_tokens=8 train.autocast=none
       task.reward_fn=toy_rewards:frac_ones train.progress=false rollout.engine=hf train.deterministic=true
       schedule.total_updates=8 schedule.num_stages=2 eval.num_items=16 "$@")
 for side in old new; do
