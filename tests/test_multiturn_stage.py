@@ -1,7 +1,6 @@
 """A stage's round sampled through an environment (mugrpo.training.samplers.TrajectorySampler): what
 scoring needs (texts of the final policy turns, environment rewards, turns); the prompt-length rule."""
 import pytest
-import torch
 
 from mugrpo.config import TaskConfig
 from mugrpo.rollout.engines.base import Completion, SamplingConfig

@@ -78,11 +78,10 @@ class ReplayedStages:
 
 def build_store(cfg, world, parts: RolloutParts, run_dir: RunDir, step) -> StageStore:
     """The run's persisted stages (with the readable text when ``train.save_stage_text``)."""
-    write_text = None
-    if cfg.train.save_stage_text:
-        def write_text(path: Path, data: StageData) -> None:
-            write_stage_text(path, data, parts.tokenizer, parts.task.items)
-    return StageStore(run_dir, world, step, write_text)
+    def write_text(path: Path, data: StageData) -> None:
+        write_stage_text(path, data, parts.tokenizer, parts.task.items)
+
+    return StageStore(run_dir, world, step, write_text if cfg.train.save_stage_text else None)
 
 
 def build_stage_source(cfg, plan, world, parts: RolloutParts, policy, store: StageStore, progress,
