@@ -126,10 +126,20 @@ class WarmStart:
         return cls(cfg, world, model, as_stage_data(examples), total, run_dir, autocast, counts)
 
     def step(self) -> dict:
-        """One optimizer step on this step's examples (:func:`mugrpo.warmstart.loss.step_examples`), this
-        rank's share of them, micro-batched; the NLL is divided by the whole step's trained tokens."""
+        """One optimizer step on this step's examples (:func:`mugrpo.warmstart.loss.step_examples`)."""
+        seqs = step_examples(self.data.num_groups, self.cfg.warmstart.batch_size, self.state.update, self.cfg.train.seed)
+        mean_nll, num_tokens = self.gradients(seqs)
+        m = self.model
+        out = {"sft/loss": mean_nll, "sft/num_tokens": num_tokens, "sft/num_examples": len(seqs)}
+        out.update(step_optimizer(m.policy, m.optimizer, m.scheduler, self.state, self.cfg.optim.max_grad_norm,
+                                  self.cfg.checkpoint.max_bad_updates, mean_nll))
+        return out
+
+    def gradients(self, seqs: list[int]) -> tuple[float, float]:
+        """Accumulate the gradient of the step of examples ``seqs`` (this rank's share of them, micro-batched
+        under ``schedule.micro_batch_tokens``): the NLL divided by the whole step's trained tokens.
+        Returns (the step's mean NLL, its trained tokens)."""
         data, world, m = self.data, self.world, self.model
-        seqs = step_examples(data.num_groups, self.cfg.warmstart.batch_size, self.state.update, self.cfg.train.seed)
         num_tokens = float(sum(data.num_policy_tokens(s) for s in seqs))
         layout = {"shared": False, "budget": self.cfg.schedule.micro_batch_tokens,
                   "max_seqs": self.cfg.schedule.micro_batch_size, "pad_id": m.tokenizer.pad_token_id}
@@ -146,15 +156,11 @@ class WarmStart:
                 (loss * world.size).backward()  # DDP/FSDP average over ranks; the loss is a share of the sum
             if i < real:
                 nll = nll + summed.float().cpu()
-        if not batches:
+        if not batches:  # a rank without examples: a zero gradient, so every rank steps alike
             for p in m.policy.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        mean_nll = float(dist.sum_over_ranks(nll.reshape(1))[0]) / max(num_tokens, 1.0)
-        out = {"sft/loss": mean_nll, "sft/num_tokens": num_tokens, "sft/num_examples": len(seqs)}
-        out.update(step_optimizer(m.policy, m.optimizer, m.scheduler, self.state, self.cfg.optim.max_grad_norm,
-                                  self.cfg.checkpoint.max_bad_updates, mean_nll))
-        return out
+        return float(dist.sum_over_ranks(nll.reshape(1))[0]) / max(num_tokens, 1.0), num_tokens
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) and drop metric records from beyond it."""
@@ -259,9 +265,11 @@ def warm_start_model(cfg: Config, run_dir: RunDir) -> str:
         print(f"[mugrpo] warm start done earlier: RL starts from {sub.final_model}")
         return str(sub.final_model)
     try:
-        return str(sft(cfg, sub.path, resume=sub.config.is_file()))
+        final = sft(cfg, sub.path, resume=sub.config.is_file())
     except ckpt.Interrupted as exc:
         raise ckpt.Interrupted(run_dir.path) from exc
+    print(f"[mugrpo] warm start done: RL starts from {final}")
+    return str(final)
 
 
 def _check_same_warm_start(cfg: Config, sub: RunDir) -> None:
