@@ -297,3 +297,14 @@ def test_bad_demonstrations_exit_2(tmp_path, tiny_model_dir, content, message, v
 def test_sft_without_data_exits_2(tmp_path, tiny_model_dir):
     r = _mugrpo("sft", "--run-dir", tmp_path / "run", f"model.name={tiny_model_dir}")
     assert r.returncode == 2 and "warmstart.data" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_python_api_runs_a_warm_start(tmp_path, tiny_model_dir, demos):
+    import mugrpo
+    from mugrpo.config import parse_override
+
+    keys = dict(parse_override(k) for k in SFT_KEYS)
+    result = mugrpo.sft({"model.name": tiny_model_dir, **keys, "warmstart.steps": 2}, data=demos,
+                        run_dir=tmp_path / "run")
+    assert result.final_model == tmp_path / "run" / "final_model" and (result.final_model / "config.json").is_file()
+    assert [r["update"] for r in result.metrics("sft")] == [1, 2]

@@ -127,12 +127,12 @@ class WarmStart:
 
     def step(self) -> dict:
         """One optimizer step on this step's examples (:func:`mugrpo.warmstart.loss.step_examples`)."""
-        seqs = step_examples(self.data.num_groups, self.cfg.warmstart.batch_size, self.state.update, self.cfg.train.seed)
+        cfg, m = self.cfg, self.model
+        seqs = step_examples(self.data.num_groups, cfg.warmstart.batch_size, self.state.update, cfg.train.seed)
         mean_nll, num_tokens = self.gradients(seqs)
-        m = self.model
         out = {"sft/loss": mean_nll, "sft/num_tokens": num_tokens, "sft/num_examples": len(seqs)}
-        out.update(step_optimizer(m.policy, m.optimizer, m.scheduler, self.state, self.cfg.optim.max_grad_norm,
-                                  self.cfg.checkpoint.max_bad_updates, mean_nll))
+        out.update(step_optimizer(m.policy, m.optimizer, m.scheduler, self.state, cfg.optim.max_grad_norm,
+                                  cfg.checkpoint.max_bad_updates, mean_nll))
         return out
 
     def gradients(self, seqs: list[int]) -> tuple[float, float]:
