@@ -199,6 +199,7 @@ def test_killed_warm_start_resumes_bitwise(tmp_path, tiny_model_dir, demos, sft_
     ref = [r["sft/loss"] for r in read_metrics(sft_reference / "metrics.jsonl") if r["kind"] == "sft"]
     got = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "sft"]
     assert [r["update"] for r in got] == list(range(1, 13)) and [r["sft/loss"] for r in got] == ref
+    assert len([r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "sft_data"]) == 1
 
 
 # ---------------------------------------------------------------------------------------------

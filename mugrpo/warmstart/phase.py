@@ -163,12 +163,14 @@ class WarmStart:
         return float(dist.sum_over_ranks(nll.reshape(1))[0]) / max(num_tokens, 1.0), num_tokens
 
     def resume(self) -> None:
-        """Load the newest checkpoint (if any) and drop metric records from beyond it."""
+        """Load the newest checkpoint (if any) and drop metric records from beyond it (all of them without one)."""
         if self.world.is_main:
             ckpt.remove_stale_temporaries(self.run_dir.path)
         m = self.model
         self.state = ckpt.load_latest(self.run_dir.path, m.policy, m.optimizer, m.scheduler, self.world) or RunState()
-        if self.world.is_main:
+        if self.world.is_main and self.state.update == 0:  # no checkpoint: the warm start and its log start over
+            self.run_dir.metrics.unlink(missing_ok=True)
+        elif self.world.is_main:
             ckpt.truncate_metrics(self.run_dir.metrics, self.state, self.cfg.eval)
 
     def save(self) -> None:
