@@ -309,3 +309,17 @@ def test_python_api_runs_a_warm_start(tmp_path, tiny_model_dir, demos):
                         run_dir=tmp_path / "run")
     assert result.final_model == tmp_path / "run" / "final_model" and (result.final_model / "config.json").is_file()
     assert [r["update"] for r in result.metrics("sft")] == [1, 2]
+
+
+def test_lora_warm_start_exports_merged_weights_and_the_adapter(tmp_path, tiny_model_dir, demos):
+    import mugrpo
+    from mugrpo.config import parse_override
+
+    keys = dict(parse_override(k) for k in SFT_KEYS)
+    result = mugrpo.sft({"model.name": tiny_model_dir, **keys, "warmstart.steps": 3, "lora.rank": 4,
+                         "lora.target_modules": "all-linear"}, data=demos, run_dir=tmp_path / "run")
+    assert (result.final_model / "adapter").is_dir()
+    base = load_file(f"{tiny_model_dir}/model.safetensors")
+    merged = load_file(str(result.final_model / "model.safetensors"))
+    assert base.keys() == merged.keys()  # a plain HF model under the base model's names
+    assert any(not base[k].equal(merged[k]) for k in base)  # the trained adapters are merged in
