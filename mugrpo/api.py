@@ -12,6 +12,9 @@
     )
     result.final_model, result.metrics()[-1]
 
+A supervised warm start alone: ``mugrpo.sft({"warmstart.epochs": 2}, data="demos.jsonl", run_dir=...)``;
+with ``warmstart.data`` set, :func:`train` runs one first, in ``RUN_DIR/warmstart/`` (docs/WARMSTART.md).
+
 The run directory is the one ``mugrpo train`` writes (config.yaml, metrics.jsonl, stages/,
 checkpoints/, final_model/). What a config file cannot hold is recorded in config.yaml by name: a
 reward function as ``python:module.qualname``, data given as rows as ``task.kind: rows`` with a
@@ -44,7 +47,8 @@ class TrainResult:
     """The exported HF model folder (None with ``train.save_final_model=false``)."""
 
     def metrics(self, kind: Optional[str] = None) -> list[dict]:
-        """The records of ``metrics.jsonl`` (``kind``: ``update``, ``stage`` or ``eval`` only)."""
+        """The records of ``metrics.jsonl`` (``kind``: ``update``, ``stage``, ``eval``, or ``sft`` for a warm
+        start's steps, only)."""
         from mugrpo.run_dir import RunDir
 
         path = RunDir(self.run_dir).metrics
@@ -130,9 +134,37 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
     return TrainResult(run_dir, final if cfg.train.save_final_model else None)
 
 
-def default_run_dir(cfg: Config) -> Path:
-    """``runs/<preset>-<time>``, as ``mugrpo train`` names a run without ``--run-dir``."""
-    return Path(f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+def default_run_dir(cfg: Config, name: Optional[str] = None) -> Path:
+    """``runs/<name or preset>-<time>``, as ``mugrpo train`` (and ``mugrpo sft``: ``runs/sft-<time>``)
+    names a run without ``--run-dir``."""
+    return Path(f"runs/{name or cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def sft(config: ConfigLike = None, *, data: Union[str, Path, None] = None, preset: Optional[str] = None,
+        run_dir: Union[str, Path, None] = None, resume: bool = False) -> TrainResult:
+    """A supervised warm start alone (``mugrpo sft``; docs/WARMSTART.md): returns the run and its
+    ``final_model``, an HF folder an RL run can start from (``model.name``).
+
+    - ``config``: see :func:`make_config`; the ``warmstart.*`` keys set the warm start.
+    - ``data``: the demonstrations file (``.jsonl``, ``.json``, ``.parquet``); sets ``warmstart.data``.
+    - ``resume=True``: continue the warm start in ``run_dir`` from its last checkpoint.
+    """
+    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.warmstart.phase import sft as run_sft
+
+    if resume:
+        if run_dir is None:
+            raise ConfigError("resume=True needs run_dir: the warm start to continue")
+        if config is not None or preset is not None or data is not None:
+            raise ConfigError("resume=True takes the run's own config.yaml; drop config/preset/data")
+        cfg = resume_config(Path(run_dir), [])
+    else:
+        cfg = make_config(config, preset)
+        if data is not None:
+            cfg.warmstart.data = str(data)
+            validate(cfg)
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg, "sft")
+    return TrainResult(run_dir, run_sft(cfg, run_dir, resume=resume))
 
 
 def _set_rewards(cfg: Config, funcs, weights) -> None:

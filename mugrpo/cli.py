@@ -1,4 +1,5 @@
-"""The ``mugrpo`` command: ``train`` and ``plan`` (``eval`` and ``report`` live in their modules).
+"""The ``mugrpo`` command: ``train``, ``sft`` (a warm start alone), ``plan`` and ``config`` (``eval`` and
+``report`` live in their modules).
 
 Every verb that takes a config accepts ``--preset NAME``, ``--config FILE.yaml`` and ``key=value``
 overrides of any field (dotted names). Errors in user input exit with status 2 and one message
@@ -32,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     train.add_argument("--replay", metavar="SOURCE_RUN_DIR",
                        help="train on the stages SOURCE_RUN_DIR saved instead of generating (docs/ALGORITHM.md 5d)")
+    sft = sub.add_parser("sft", help="a supervised warm start alone (warmstart.data=FILE): its final_model/ can be "
+                                     "the model.name of an RL run (docs/WARMSTART.md)")
+    _add_config_args(sft)
+    sft.add_argument("--run-dir", help="output folder (default runs/sft-<time>)")
+    sft.add_argument("--resume", metavar="RUN_DIR", help="continue the warm start in RUN_DIR from its last checkpoint")
     plan = sub.add_parser("plan", help="print the stage plan a config implies, without training")
     _add_config_args(plan)
     config = sub.add_parser("config", help="print the resolved config (YAML) or the config reference")
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.verb == "config":
             return _config_verb(args)
-        return _train_verb(args)
+        return _train_verb(args)  # train or sft
     except UserError as exc:  # every module's user-facing error derives from it (mugrpo/errors.py)
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
@@ -105,9 +111,11 @@ def _config_verb(args) -> int:
 
 
 def _train_verb(args) -> int:
+    """``mugrpo train`` (a warm start first with ``warmstart.data``) and ``mugrpo sft`` (the warm start alone)."""
     from mugrpo.api import default_run_dir
     from mugrpo.training.checkpoint import Interrupted, resume_config
     from mugrpo.training.trainer import train
+    from mugrpo.warmstart.phase import sft
 
     for flag, value in (("--run-dir", args.run_dir), ("--resume", args.resume)):
         if value and Path(value).exists() and not Path(value).is_dir():
@@ -124,9 +132,12 @@ def _train_verb(args) -> int:
         cfg = resume_config(run_dir, args.overrides)
     else:
         cfg = _resolve(args)
-        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, "sft" if args.verb == "sft" else None)
     try:
-        final = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
+        if args.verb == "sft":
+            final = sft(cfg, run_dir, resume=bool(args.resume))
+        else:
+            final = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
     except Interrupted as exc:
         print(f"[mugrpo] {exc}", file=sys.stderr)
         return 130

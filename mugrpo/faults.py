@@ -4,7 +4,8 @@
 ``point``; ``MUGRPO_STOP_AT="point:n"`` sends it SIGTERM there instead (a graceful stop that lands
 exactly where the test says, whatever the machine's load). Points: ``generate`` (after a generation
 batch), ``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer
-update, before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename).
+update, before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename),
+``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`).
 Unset in normal use; reading one environment variable is the whole cost.
 """
 

@@ -11,6 +11,8 @@
                                   removed once the stage's shards are written (mugrpo.training.rounds)
       final_model/                the exported HF model (and tokenizer)
       replay.json                 a replaying run's source run directory (mugrpo.training.replay)
+      warmstart/                  with warmstart.data: the warm start's own run directory (config.yaml,
+                                  metrics.jsonl, checkpoints/, final_model/: the weights RL starts from)
 
 The names on disk are those of every earlier version, so old run directories keep working. Here:
 the names (a stage's shard and text files too), the atomic write every writer of the run directory
@@ -38,6 +40,9 @@ STAGES_DIR = "stages"
 FINAL_MODEL_DIR = "final_model"
 STAGE_METRICS_FILE = "stage_metrics.json"
 REPLAY_FILE = "replay.json"
+WARMSTART_DIR = "warmstart"
+"""A run with ``warmstart.data``: the warm start's own run directory (config, metrics, checkpoints,
+final_model), inside the RL run's."""
 ROUNDS_DIR = "rounds"
 SHARDS_FILE = "shards.json"
 """Written by rank 0 once every rank's shard is on disk: the stage is complete."""
@@ -81,6 +86,11 @@ class RunDir:
     @property
     def final_model(self) -> Path:
         return self.path / FINAL_MODEL_DIR
+
+    @property
+    def warmstart(self) -> Path:
+        """The warm start's sub-run (``warmstart.data``: :mod:`mugrpo.warmstart.phase`)."""
+        return self.path / WARMSTART_DIR
 
     @property
     def replay(self) -> Path:

@@ -42,6 +42,11 @@ def rollout_round_sampling(seed: int, stage: int, rank: int, round_index: int) -
     return derive(seed, "rollout-round-sampling", stage, rank, round_index)
 
 
+def sft_order(seed: int) -> int:
+    """The supervised warm start's order of demonstrations (every epoch's shuffle comes from it)."""
+    return derive(seed, "sft-order")
+
+
 def eval_sampling(seed: int) -> int:
     """Evaluation's sampling: the same at every evaluation, so differences come from the weights."""
     return derive(seed, "eval-sampling")

@@ -20,7 +20,8 @@ from mugrpo.config.schema import (ADAPTIVE_GUARDS, AGGREGATIONS, BEHAVIOR_LOGPRO
                                   DEFAULT_INSTRUCTION, LOGGERS, LORA_DEFAULT_TARGETS, RATIO_LEVELS, VETO_NORMALIZERS,
                                   VETO_SCOPES, CheckpointConfig, Config, EnvConfig, EvalConfig, LogConfig, LoraConfig,
                                   LossConfig, ModelConfig, OptimConfig, ParallelConfig, RolloutConfig,
-                                  ScheduleConfig, TaskConfig, TrainConfig, VllmConfig)
+                                  ScheduleConfig, TaskConfig, TrainConfig, VllmConfig,
+                                  WarmstartConfig)
 from mugrpo.errors import ConfigError
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "LOGGERS", "LORA_DEFAULT_TARGETS", "PRESETS", "RATIO_LEVELS", "RENAMED_KEYS", "VETO_NORMALIZERS", "VETO_SCOPES",
     "CheckpointConfig", "Config", "ConfigError", "EnvConfig", "EvalConfig", "LogConfig", "LoraConfig", "LossConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "RolloutConfig", "ScheduleConfig", "TaskConfig", "TrainConfig",
-    "VllmConfig", "dump_yaml", "field_docs", "from_dict", "load_config", "parse_override", "read_config_file",
+    "VllmConfig", "WarmstartConfig", "dump_yaml", "field_docs", "from_dict", "load_config", "parse_override",
+    "read_config_file",
     "resume_safe_keys", "set_value", "stage_shape", "to_dict", "validate",
 ]

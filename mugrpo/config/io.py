@@ -19,7 +19,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from mugrpo.algo.registries import CORRECTIONS
-from mugrpo.config import rollout_sections, schema
+from mugrpo.config import rollout_sections, schema, warmstart_section
 from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import validate
 from mugrpo.config.schema import Config
@@ -257,7 +257,7 @@ def field_docs() -> list[tuple[str, str, str]]:
     import inspect
 
     docs: dict[tuple[str, str], str] = {}
-    for node in (n for module in (rollout_sections, schema) for n in ast.parse(inspect.getsource(module)).body):
+    for node in (n for module in (rollout_sections, schema, warmstart_section) for n in ast.parse(inspect.getsource(module)).body):
         if isinstance(node, ast.ClassDef):
             body = node.body
             for a, b in zip(body, body[1:]):

@@ -26,6 +26,7 @@ from mugrpo.algo.registries import (AGGREGATIONS, AGGREGATORS, CLIP_MODES, CORRE
 from mugrpo.config.checks import SAFE, check, check_registered
 from mugrpo.config.rollout_sections import (DEFAULT_FEW_SHOT, DEFAULT_INSTRUCTION, EnvConfig, ModelConfig,
                                             RolloutConfig, TaskConfig, VllmConfig)
+from mugrpo.config.warmstart_section import WarmstartConfig
 from mugrpo.errors import ConfigError
 
 __all__ = [  # the sections of rollout_sections are re-exported: every section is importable from here
@@ -33,6 +34,7 @@ __all__ = [  # the sections of rollout_sections are re-exported: every section i
     "LOGGERS", "LORA_DEFAULT_TARGETS", "RATIO_LEVELS", "VETO_NORMALIZERS", "VETO_SCOPES", "CheckpointConfig",
     "Config", "EnvConfig", "EvalConfig", "LogConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "RolloutConfig", "ScheduleConfig", "TaskConfig", "TrainConfig", "VllmConfig",
+    "WarmstartConfig",
 ]
 
 
@@ -420,6 +422,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     # Evaluation and logging never change what is trained: a resume may change the whole section.
     eval: EvalConfig = field(default_factory=EvalConfig, metadata=SAFE)
     log: LogConfig = field(default_factory=LogConfig, metadata=SAFE)

@@ -77,8 +77,8 @@ RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo
 class Interrupted(Exception):
     """Training stopped on SIGINT/SIGTERM after checkpointing."""
 
-    def __init__(self, run_dir: Path):
-        super().__init__(f"training stopped cleanly and checkpointed. Resume with: mugrpo train --resume {run_dir}")
+    def __init__(self, run_dir: Path, verb: str = "train"):
+        super().__init__(f"training stopped cleanly and checkpointed. Resume with: mugrpo {verb} --resume {run_dir}")
         self.run_dir = run_dir
 
 
@@ -95,8 +95,10 @@ def discard_failed_start(run_dir: Path, keep_dir: bool) -> bool:
     take the correction when it changes the experiment. Only for a directory the run found empty
     (``keep_dir``: it existed then, so only its contents go). Returns True if it deleted."""
     run_dir = Path(run_dir)
+    warm = RunDir(RunDir(run_dir).warmstart)  # a warm start's checkpoints or final model are work to resume
     if not run_dir.is_dir() or any(RunDir(run_dir).checkpoints.glob("ckpt_*")) or any(
-            RunDir(run_dir).stages.glob(f"stage_*/{SHARDS_FILE}")):
+            RunDir(run_dir).stages.glob(f"stage_*/{SHARDS_FILE}")) or any(warm.checkpoints.glob("ckpt_*")) or (
+            warm.final_model.is_dir()):
         return False
     for path in (list(run_dir.iterdir()) if keep_dir else [run_dir]):
         shutil.rmtree(path) if path.is_dir() else path.unlink()

@@ -27,7 +27,6 @@ concerns (:mod:`mugrpo.training.distributed`). The layers: docs/ARCHITECTURE.md.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,9 +38,7 @@ from mugrpo.algo.adaptive import end_reason, stage_length
 from mugrpo.algo.losses import LossInputs, LossSettings, finalize_metrics, metric_template, policy_loss
 from mugrpo.config import Config
 from mugrpo.config.plan import Plan, format_plan, make_plan
-from mugrpo.errors import UserError
 from mugrpo.models import lora
-from mugrpo.models.loading import check_context, load_policy, load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.envs.build import build_env_factory
@@ -61,14 +58,13 @@ from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.rollout.engines import build_engine
 from mugrpo.run_dir import RunDir
 from mugrpo.training.update import StepSettings, normaliser, ratio_inputs, with_fillers
+from mugrpo.warmstart.phase import warm_start_path, warm_start_model
+from mugrpo.training.model_parts import (ModelParts, TrainingError, build_model, build_optimizer,  # noqa: F401
+                                        step_optimizer)
 
 
 MAX_TURN_BUCKETS = 8
 """At most this many ``loss/veto_token_frac_turn{k}`` keys per update (the last: that turn and later)."""
-
-
-class TrainingError(UserError, RuntimeError):
-    """Training cannot continue (e.g. too many non-finite updates in a row); the message says why."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +88,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
     lock = trainer = stopper = None
     failed_new_run, existed = False, rd.path.is_dir()
-    if resume:  # before any work: a second process on this run directory stops here
+    warm = cfg.warmstart.data is not None
+    if resume or warm:  # before any work: a second process on this run directory stops here
+        # A new run with a warm start claims its directory first: the warm start is work a resume must find.
         ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
         lock = ckpt.lock_run_dir(rd.path, world)
     else:
@@ -100,13 +98,15 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     try:
         if resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
             source = replay_mod.recorded_source(rd.path)
+        if warm:  # RL starts from the warm start's model (warm_start_path): run it, resume it, or find it done
+            warm_start_model(cfg, rd)
         trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source)
         if resume:
             trainer.resume()
         else:
-            # Only now that model, task and engine have loaded: a failed start leaves no run directory.
-            ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
-            lock = ckpt.lock_run_dir(rd.path, world)
+            if not warm:  # only now that model, task and engine have loaded: a failed start leaves no run directory
+                ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
+                lock = ckpt.lock_run_dir(rd.path, world)
             if source is not None and world.is_main:
                 replay_mod.record_source(rd.path, source)
         trainer.start()
@@ -187,8 +187,9 @@ class Trainer:
     def build(cls, cfg: Config, plan: Plan, world, resolved: Resolved, task: Task | None, run_dir: RunDir,
               replay=None) -> "Trainer":
         """Load the model, tokenizer, reference model, optimizer, task and engine for a run, and build
-        its stage source (``replay``: the stages of another run, :mod:`mugrpo.training.sources`)."""
-        m = build_model(cfg, plan, world)
+        its stage source (``replay``: the stages of another run, :mod:`mugrpo.training.sources`). With
+        ``warmstart.data`` the model is the warm start's final model (:mod:`mugrpo.warmstart.phase`)."""
+        m = build_model(cfg, plan, world, model_path=warm_start_path(cfg, run_dir))
         policy, tokenizer, model_path = m.policy, m.tokenizer, m.model_path
         task = task or build_task(cfg.task)
         env_factory = build_env_factory(cfg.task, cfg.env, task)
@@ -368,31 +369,10 @@ class Trainer:
 
     def _optimizer_step(self, summed: dict) -> dict:
         """Clip, step (or skip a non-finite update), and finalise the update's metrics."""
-        state, cfg = self.state, self.cfg
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.optim.max_grad_norm)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         loss_value = float(summed["loss/total"][0])
         out = finalize_metrics(summed)
-        out["optim/lr"] = self.scheduler.get_last_lr()[0]
-        out["optim/grad_norm"] = grad_norm
-        if not (math.isfinite(grad_norm) and math.isfinite(loss_value)):
-            self.optimizer.zero_grad(set_to_none=True)
-            state.bad_update_streak += 1
-            state.num_skipped_updates += 1
-            out["optim/skipped"] = 1.0
-            print(f"[mugrpo] warning: update {state.update} skipped: non-finite loss ({loss_value}) or gradient "
-                  f"norm ({grad_norm}); {state.bad_update_streak} in a row")
-            if state.bad_update_streak >= cfg.checkpoint.max_bad_updates:
-                raise TrainingError(f"{state.bad_update_streak} consecutive updates had a non-finite loss or "
-                                    "gradient. Check the data (see stages/*/rollouts.jsonl); a lower optim.lr or "
-                                    "train.autocast=none needs a new run (--resume keeps the run's optimizer settings)")
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            state.bad_update_streak = 0
-            out["optim/skipped"] = 0.0
-        self.scheduler.step()
-        out["optim/num_skipped_updates"] = state.num_skipped_updates
+        out.update(step_optimizer(self.policy, self.optimizer, self.scheduler, self.state,
+                                  self.cfg.optim.max_grad_norm, self.cfg.checkpoint.max_bad_updates, loss_value))
         return out
 
 
@@ -411,74 +391,9 @@ def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan
             "stage/passes_used": state.update_in_stage * plan.prompts_per_update / max(num_groups, 1.0)}
 
 
-@dataclass
-class ModelParts:
-    """A run's model side, as every phase that trains builds it (:func:`build_model`)."""
-
-    policy: torch.nn.Module
-    """LoRA applied (``lora.*``), prepared for the world (FSDP2 under several ranks)."""
-    ref_model: Any
-    """The frozen reference model (``loss.kl_beta > 0``), else None."""
-    device: Any
-    optimizer: Any
-    scheduler: Any
-    tokenizer: Any
-    model_path: str
-    """The HF model folder ``model.name`` resolves to (the same on every rank)."""
-
-
-def build_model(cfg: Config, plan: Plan, world, with_ref: bool | None = None) -> ModelParts:
-    """Load the tokenizer (its vocab checked against the model), the policy (with LoRA, prepared for
-    the world), the reference model (``with_ref``; default ``loss.kl_beta > 0``), the optimizer and
-    its schedule over ``plan.total_updates``. Seeds torch (``train.seed``) first."""
-    _configure_torch(cfg)
-    model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir) if world.is_main else None
-    model_path = dist.broadcast_object(model_path)
-    tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)  # checks its vocab against the model
-    check_context(model_path, cfg, cfg.model.trust_remote_code)
-    policy = lora.apply_lora(load_policy(model_path, cfg.model.trust_remote_code), cfg.lora)
-    with_ref = cfg.loss.kl_beta > 0 if with_ref is None else with_ref
-    ref_model = load_policy(model_path, cfg.model.trust_remote_code).eval() if with_ref else None
-    if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    policy, device = dist.prepare_model(policy, cfg, world)
-    if ref_model is not None:
-        ref_model = dist.prepare_frozen(ref_model, cfg, world)
-    optimizer, scheduler = build_optimizer(policy, cfg, plan)
-    return ModelParts(policy, ref_model, device, optimizer, scheduler, tokenizer, model_path)
-
-
 def _layout_notes(policy, cfg: Config) -> list[str]:
     notes = [lora.describe(policy)] if lora.has_lora(policy) else []
     if not cfg.train.shared_prefix:
         return notes
     supported, _, reason = shared_prefix_support(policy)
     return notes + ([] if supported else [f"note: train.shared_prefix falls back to the unshared forward: {reason}"])
-
-
-def _configure_torch(cfg: Config) -> None:
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(cfg.train.seed)
-
-
-def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
-    o = cfg.optim
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=o.lr,
-                                  betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
-
-    def factor(step: int) -> float:
-        if o.warmup_updates and step < o.warmup_updates:
-            return (step + 1) / o.warmup_updates
-        progress = (step - o.warmup_updates) / max(1, plan.total_updates - o.warmup_updates)
-        if o.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-        if o.lr_schedule == "linear":
-            return max(0.0, 1 - progress)
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-

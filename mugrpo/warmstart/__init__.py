@@ -1,4 +1,4 @@
-"""Supervised warm start (SFT), the data side: demonstrations in, token-level examples out.
+"""Supervised warm start (SFT): demonstrations in, token-level examples out, and the phase that trains on them.
 
 - :mod:`.data`: demonstrations loaded from a dataset, rows or a file (TRL's conversational and
   prompt/completion formats, tools, tool calls, a per-message ``train`` override), checked row by row;
@@ -7,6 +7,10 @@
 - :mod:`.demos`: demonstrations without a teacher (solved calculator traces; a run's high-reward
   trajectories).
 
-The training step that consumes :class:`mugrpo.warmstart.render.Example` lives elsewhere; this
-package never imports the trainer (docs/WARMSTART.md).
+- :mod:`.loss`: the masked token-mean NLL and the seeded data order (pure);
+- :mod:`.phase`: the training phase (``mugrpo sft``, and the warm start of ``mugrpo train``), built
+  from the RL trainer's parts (:mod:`mugrpo.training.model_parts`, batching, forward, checkpoints).
+
+This package never imports the trainer (:mod:`mugrpo.training.trainer` imports :mod:`.phase`);
+docs/WARMSTART.md.
 """
