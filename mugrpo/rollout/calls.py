@@ -44,6 +44,8 @@ ISOLATIONS = ("thread", "process")
 MAX_ABANDONED = 64
 """Abandoned (timed-out, still running) call threads allowed in the process; past it, calls are refused."""
 _abandoned = 0
+WORKER_START_S = 120.0
+"""How long a worker process may take to start and load a call (imports) before the call is an error."""
 _abandoned_lock = threading.Lock()
 
 
@@ -117,16 +119,19 @@ class CallRunner:
 
     def _work(self, call: Callable[[], Any], st: _Call, cond: threading.Condition, timeout_s: float) -> None:
         self._slots.acquire()
-        with cond:
-            st.started, st.holding = time.monotonic(), True
-            cond.notify_all()
+        worker = None
         try:
-            if self._workers is not None:
-                result = self._workers.call(call, timeout_s)
-            else:
-                result = CallResult(value=call())
+            # A worker's start and its unpickling of the call (imports: seconds under spawn) are not
+            # the call's time: the clock starts when the worker says it has begun.
+            worker = self._workers.begin(call) if self._workers is not None else None
+            with cond:
+                st.started, st.holding = time.monotonic(), True
+                cond.notify_all()
+            result = self._workers.finish(worker, timeout_s) if worker is not None else CallResult(value=call())
         except BaseException as exc:  # noqa: BLE001 - user code: every failure is reported, none escapes
             result = CallResult(error=traceback.format_exc(limit=8), exception=exc)
+            with cond:
+                st.holding = st.holding or st.started is None  # a failed worker start still holds its slot
         with cond:
             self._release(st)
             if st.abandoned:
@@ -165,6 +170,10 @@ def _worker_main(conn) -> None:
             call = conn.recv()
         except EOFError:
             return
+        except BaseException as exc:  # noqa: BLE001 - the call did not unpickle here (an import failed)
+            conn.send(("error", traceback.format_exc(limit=8), RuntimeError(f"{type(exc).__name__}: {exc}")))
+            continue
+        conn.send(("started", None, None))
         try:
             reply = ("ok", call(), None)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller
@@ -184,7 +193,8 @@ class _WorkerPool:
         self._lock = threading.Lock()
         self._ctx = multiprocessing.get_context("spawn")
 
-    def _take(self):
+    def take(self):
+        """An idle worker (process, connection), or a new one."""
         with self._lock:
             if self._idle:
                 return self._idle.pop()
@@ -194,32 +204,50 @@ class _WorkerPool:
         child.close()
         return proc, parent
 
-    def call(self, call: Callable[[], Any], timeout_s: float) -> CallResult:
-        proc, conn = self._take()
-        t0 = time.monotonic()
+    def begin(self, call: Callable[[], Any]):
+        """Send ``call`` to a worker and wait until it has begun (bounded by :data:`WORKER_START_S`);
+        the worker. Raises when the call does not pickle or unpickle, or the worker does not start."""
+        proc, conn = self.take()
         try:
             conn.send(call)
-        except Exception:  # noqa: BLE001 - the call does not pickle: an error of the call, the worker is fine
+        except Exception:  # the call does not pickle: an error of that call, the worker is fine
             self._give_back(proc, conn)
             raise
-        # The worker start is not the call's time: wait from the send (the runner's own clock may
-        # abandon the call first; the worker is killed here all the same).
-        if not conn.poll(max(0.0, timeout_s - (time.monotonic() - t0))):
-            proc.kill()
-            proc.join()
-            conn.close()
+        if not conn.poll(WORKER_START_S):
+            self._kill(proc, conn)
+            raise RuntimeError(f"the worker process did not start the call within {WORKER_START_S:g} s")
+        try:
+            kind, payload, exc = conn.recv()
+        except EOFError:
+            self._kill(proc, conn)
+            raise RuntimeError(f"the worker process died while starting the call (exit code {proc.exitcode})")
+        if kind != "started":  # the call did not unpickle in the worker
+            self._give_back(proc, conn)
+            raise RuntimeError(f"the worker could not load the call:\n{payload}")
+        return proc, conn
+
+    def finish(self, worker, timeout_s: float) -> CallResult:
+        """The call's result, or a timeout (the worker killed)."""
+        proc, conn = worker
+        if not conn.poll(timeout_s):
+            self._kill(proc, conn)
             return CallResult(timed_out=True)
         try:
             kind, payload, exc = conn.recv()
         except EOFError:  # the worker died (os._exit, a crash): an error, and the worker is gone
-            proc.join()
-            conn.close()
+            self._kill(proc, conn)
             message = f"the worker process died (exit code {proc.exitcode})"
             return CallResult(error=message, exception=RuntimeError(message))
         self._give_back(proc, conn)
         if kind == "ok":
             return CallResult(value=payload)
         return CallResult(error=payload, exception=exc if exc is not None else RuntimeError(payload))
+
+    @staticmethod
+    def _kill(proc, conn) -> None:
+        proc.kill()
+        proc.join()
+        conn.close()
 
     def _give_back(self, proc, conn) -> None:
         with self._lock:
