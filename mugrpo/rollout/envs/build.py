@@ -34,7 +34,7 @@ from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
-__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score"]
+__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score", "turn_budget_rows"]
 
 
 def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
@@ -161,6 +161,34 @@ def describe_env(factory: Optional[EnvFactory]) -> list[tuple[str, str]]:
                 ("environment stop strings", ", ".join(repr(s) for s in env.stop) if env.stop else "none (EOS only)")]
     finally:
         _close_bounded([env])
+
+
+def turn_budget_rows(factory: Optional[EnvFactory], tokenizer, max_new_tokens: int, env_cfg) -> list[tuple[str, str]]:
+    """(label, value) rows of what one environment turn costs in template tokens (an empty observation
+    rendered by the model's tokenizer, :func:`mugrpo.rollout.envs.render.env_turn_ids`) and how many
+    policy turns ``rollout.max_new_tokens`` allows at the per-turn cap; [] for a single-turn run."""
+    from mugrpo.rollout.envs.render import env_turn_ids
+
+    if factory is None:
+        return []
+    env = factory()
+    try:
+        role = "tool" if env.tools() else "user"
+        turns = min(env_cfg.max_turns, env.max_turns)
+    finally:
+        _close_bounded([env])
+    message = {"role": role, "content": ""} if role == "user" else {"role": "tool", "name": "tool", "content": ""}
+    template = len(env_turn_ids(tokenizer, [message], True))
+    per_turn = min(env_cfg.max_tokens_per_turn or max_new_tokens, max_new_tokens)
+    # k policy turns at the cap, with k - 1 environment turns between them, fit when
+    # k * per_turn + (k - 1) * template <= max_new_tokens (observations' own tokens come on top).
+    fit = (max_new_tokens + template) // (per_turn + template)
+    return [("environment turn template", f"{template} tokens per environment turn (a {role} message, the model's "
+                                          "chat template), plus the observation's own"),
+            ("policy turn cap", f"{per_turn} tokens (env.max_tokens_per_turn"
+                                f"{'' if env_cfg.max_tokens_per_turn else ' unset: rollout.max_new_tokens'})"),
+            ("turns the budget allows", f"{fit} policy turns at the cap within rollout.max_new_tokens="
+                                        f"{max_new_tokens} (max turns {turns}; fewer with long observations)")]
 
 
 def _close_bounded(envs: list[Environment], timeout_s: float = 30.0) -> None:
