@@ -21,7 +21,14 @@ A trajectory ends (``end_reason``), each counted by :func:`loop_metrics`:
                     NOT appended (TRL's rule) and the trajectory is truncated
 - ``env_error`` / ``env_timeout`` / ``env_bad_output``  ``env.step`` (or rendering its messages)
                     raised, ran past ``step_timeout_s``, or returned something that is not a
-                    :class:`StepResult` of text messages and a finite reward. Never a crash.
+                    :class:`StepResult` of text messages, a reward finite as a float32 and a bool
+                    ``done``. Never a crash.
+
+Values are checked before they are used: numbers in step metadata and ``env.metrics()`` that are
+not finite as a float32 are dropped (``num_dropped_values``); an observation longer than
+``max_observation_chars`` is cut before it is rendered (``num_truncated_observations``); a policy
+turn takes at most ``max_tokens_per_turn`` tokens. :func:`first_problems` gives the first failure
+of each kind, for the stage's warnings.
 
 The token budget covers every response token, policy and environment (``rollout.max_new_tokens``
 applies to the whole trajectory, TRL's ``max_completion_length`` semantics).
