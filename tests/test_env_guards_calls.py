@@ -82,3 +82,26 @@ def calls_of(runner, fn, x):
 def test_the_isolation_is_checked():
     with pytest.raises(ValueError, match="isolation must be one of"):
         CallRunner(1, isolation="fork")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_hung_call_never_keeps_the_process_alive_at_exit(isolation, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import guard_tools\n"
+        "from mugrpo.rollout.calls import CallRunner\n"
+        "from mugrpo.rollout.envs.tools import _Bound\n"
+        "if __name__ == '__main__':\n"
+        f"    runner = CallRunner(2, isolation={isolation!r})\n"
+        "    out = runner.run([_Bound(guard_tools.sleep, {'seconds': 120.0})], 0.5)\n"
+        "    print('timed out' if out[0].timed_out else out)\n")
+    root = Path(__file__).parent.parent
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": f"{root}:{root / 'tests'}", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.strip() == "timed out", done.stderr
+    assert time.monotonic() - t0 < 30  # not the 120 s the call would take
