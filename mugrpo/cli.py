@@ -95,7 +95,7 @@ def _environment_plan(cfg) -> str:
 
         tokenizer = load_tokenizer(cfg.model.name)
     except Exception as exc:  # noqa: BLE001 - the plan still helps without the tokenizer (e.g. offline)
-        rows.append(("environment turn template", f"unknown: the tokenizer of {cfg.model.name} did not load "
+        rows.append(("env turn template", f"unknown: the tokenizer of {cfg.model.name} did not load "
                                                   f"({type(exc).__name__})"))
     else:
         rows += turn_budget_rows(factory, tokenizer, cfg.rollout.max_new_tokens, cfg.env)

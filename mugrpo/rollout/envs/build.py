@@ -183,7 +183,7 @@ def turn_budget_rows(factory: Optional[EnvFactory], tokenizer, max_new_tokens: i
     # k policy turns at the cap, with k - 1 environment turns between them, fit when
     # k * per_turn + (k - 1) * template <= max_new_tokens (observations' own tokens come on top).
     fit = (max_new_tokens + template) // (per_turn + template)
-    return [("environment turn template", f"{template} tokens per environment turn (a {role} message, the model's "
+    return [("env turn template", f"{template} tokens per environment turn (a {role} message, the model's "
                                           "chat template), plus the observation's own"),
             ("policy turn cap", f"{per_turn} tokens (env.max_tokens_per_turn"
                                 f"{'' if env_cfg.max_tokens_per_turn else ' unset: rollout.max_new_tokens'})"),
