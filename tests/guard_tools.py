@@ -49,3 +49,19 @@ def sleep(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "slept"
+
+
+class Picky(Exception):
+    """An exception that pickles but does not unpickle (its constructor needs two arguments)."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a} {b}")
+
+
+def raise_picky(x: int) -> int:
+    """Raise an exception that does not unpickle.
+
+    Args:
+        x: Ignored.
+    """
+    raise Picky(x, x)

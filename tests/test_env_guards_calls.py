@@ -70,6 +70,9 @@ def test_process_isolation_reports_exceptions_and_a_dead_worker_as_errors():
     assert isinstance(fail.exception, ValueError) and "bad x 1" in fail.error
     assert not die.ok and "worker process died (exit code 3)" in die.error
     assert add.value == 4
+    picky = calls_of(runner, guard_tools.raise_picky, 1)
+    assert not picky.ok and "did not unpickle" in picky.error
+    assert calls_of(runner, guard_tools.add, 3).value == 6  # the same worker serves on
 
 
 def calls_of(runner, fn, x):

@@ -238,6 +238,10 @@ class _WorkerPool:
             self._kill(proc, conn)
             message = f"the worker process died (exit code {proc.exitcode})"
             return CallResult(error=message, exception=RuntimeError(message))
+        except Exception as exc:  # noqa: BLE001 - a value or exception that does not unpickle here
+            self._give_back(proc, conn)
+            message = f"the call's result did not unpickle: {type(exc).__name__}: {exc}"
+            return CallResult(error=message, exception=RuntimeError(message))
         self._give_back(proc, conn)
         if kind == "ok":
             return CallResult(value=payload)
