@@ -15,7 +15,8 @@ back to the model as ``{"error": "..."}`` and are counted in :attr:`StepResult.m
 - ``tool_calls``: calls attempted (well-formed or not);
 - ``tool_errors``: calls answered with an error, all causes together; broken down into
   ``tool_unknown`` (no such tool), ``tool_bad_args`` (not JSON, not an object, or arguments that do
-  not bind), ``tool_exceptions`` (the tool raised) and ``tool_timeouts`` (past ``timeout_s``).
+  not bind), ``tool_exceptions`` (the tool raised, or was refused: too many hung calls) and
+  ``tool_timeouts`` (past ``timeout_s``).
 
 Calls run on the one bounded, timed runner of :mod:`mugrpo.rollout.calls` (the environment steps
 run on it too): at most 16 at a time across all tool environments of the process
