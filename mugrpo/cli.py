@@ -92,9 +92,19 @@ def _environment_plan(cfg) -> str:
     path that does not import, or arguments it does not take, exit 2 here too); "" for single-turn."""
     if cfg.task.env is None and not cfg.task.tools:
         return ""
-    from mugrpo.rollout.envs.build import build_env_factory, describe_env
+    from mugrpo.rollout.envs.build import build_env_factory, describe_env, turn_budget_rows
 
-    rows = describe_env(build_env_factory(cfg.task, cfg.env))
+    factory = build_env_factory(cfg.task, cfg.env)
+    rows = describe_env(factory)
+    try:
+        from mugrpo.models.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model.name)
+    except Exception as exc:  # noqa: BLE001 - the plan still helps without the tokenizer (e.g. offline)
+        rows.append(("env turn template", f"unknown: the tokenizer of {cfg.model.name} did not load "
+                                                  f"({type(exc).__name__})"))
+    else:
+        rows += turn_budget_rows(factory, tokenizer, cfg.rollout.max_new_tokens, cfg.env)
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 

@@ -35,7 +35,8 @@ class Recorder(Environment):
 
 def test_groups_share_the_prompt_and_each_member_has_its_seed():
     tok = build_char_tokenizer()
-    prompts, envs = start_trajectories(Recorder, ITEMS, 3, seed=7, tokenizer=tok, task_cfg=CFG)
+    started = start_trajectories(Recorder, ITEMS, 3, seed=7, tokenizer=tok, task_cfg=CFG)
+    prompts, envs = started.prompts, started.envs
     assert [tok.decode(p) for p in prompts] == ["u:1+1?\na:", "u:2+3?\na:"]  # the task's usual prompt
     assert [e.item.question for e in envs] == ["1+1?"] * 3 + ["2+3?"] * 3  # group-major
     assert [e.seed for e in envs] == [reset_seed(7, i, g) for i in range(2) for g in range(3)]
@@ -44,10 +45,10 @@ def test_groups_share_the_prompt_and_each_member_has_its_seed():
 
 def test_the_environment_prompt_and_tools_are_rendered():
     tok = build_char_tokenizer()
-    prompts, _ = start_trajectories(lambda: Recorder(lambda item, seed: [{"role": "user", "content": "go"}]),
-                                    ITEMS[:1], 2, 0, tok, CFG)
+    prompts = start_trajectories(lambda: Recorder(lambda item, seed: [{"role": "user", "content": "go"}]),
+                                 ITEMS[:1], 2, 0, tok, CFG).prompts
     assert tok.decode(prompts[0]) == "u:go\na:"
-    prompts, _ = start_trajectories(CalculatorEnvironment, ITEMS[:1], 2, 0, tok, CFG)
+    prompts = start_trajectories(CalculatorEnvironment, ITEMS[:1], 2, 0, tok, CFG).prompts
     text = tok.decode(prompts[0])
     assert text.startswith("s:# Tools") and '"name": "calculate"' in text and text.endswith("u:1+1?\na:")
 

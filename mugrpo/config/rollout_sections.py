@@ -284,6 +284,19 @@ class EnvConfig:
     trajectory, counted in ``env/num_env_timeout``."""
     max_workers: int = field(default=8, metadata=SAFE)
     """Environment steps running at once (threads); results do not depend on it."""
+    reset_timeout_s: float = 60.0
+    """Per-call limit of making one environment (the factory call), its ``reset`` and its ``tools()``;
+    past it, or on an exception, that item is skipped (its group), counted in ``env/num_items_skipped``."""
+    tool_isolation: Literal["thread", "process"] = "thread"
+    """Where ``task.tools`` calls run: ``thread`` (cheap; a call that holds the GIL, e.g. a catastrophic
+    regex, stalls the others until it returns) or ``process`` (a worker process per running call, killed
+    at ``env.tool_timeout_s``: every call ends on time; the tools must pickle). docs/ENVIRONMENTS.md."""
+    max_observation_chars: int = 20000
+    """An environment message (an observation, a tool result) longer than this is cut to it before it is
+    tokenized, counted in ``env/num_truncated_observations``."""
+    max_tokens_per_turn: Optional[int] = None
+    """New tokens of one policy turn at most; None = ``rollout.max_new_tokens`` (the whole trajectory's
+    budget, which still applies)."""
 
     def validate(self) -> None:
         check(1 <= self.max_turns <= 127, "env.max_turns", "1..127 (turns are stored as int8)", self.max_turns)
@@ -292,6 +305,14 @@ class EnvConfig:
         check(0 < self.step_timeout_s < math.inf, "env.step_timeout_s", "a finite number of seconds > 0",
                self.step_timeout_s)
         check(self.max_workers >= 1, "env.max_workers", ">= 1", self.max_workers)
+        check(0 < self.reset_timeout_s < math.inf, "env.reset_timeout_s", "a finite number of seconds > 0",
+              self.reset_timeout_s)
+        check(self.tool_isolation in ("thread", "process"), "env.tool_isolation", "thread, process",
+              self.tool_isolation)
+        check(self.max_observation_chars >= 1, "env.max_observation_chars", "an integer >= 1",
+              self.max_observation_chars)
+        check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1, "env.max_tokens_per_turn",
+              "None or an integer >= 1", self.max_tokens_per_turn)
         if self.tool_timeout_s >= self.step_timeout_s:
             raise ConfigError(f"env.tool_timeout_s={self.tool_timeout_s} is not below env.step_timeout_s="
                               f"{self.step_timeout_s}: a hung tool would end its trajectory instead of answering "

@@ -1,13 +1,26 @@
-"""Calls into user code (environment steps and closes, tool calls) run concurrently, bounded, timed.
+"""Calls into user code (environment construction, resets, steps, metrics and closes, tool calls)
+run concurrently, bounded, timed.
 
 One runner serves every such call: :class:`CallRunner`. It runs at most ``max_workers`` calls at
 once, across every :meth:`CallRunner.run` made on it (the tool environments of a process share one,
 :data:`TOOL_RUNNER`; the multi-turn loop makes one per stage for its environment steps), and gives
 each call ``timeout_s`` from the moment it STARTS (waiting for a free slot does not count: a call
 is timed on its own work, not on how busy the others keep the runner). A call past its time is
-abandoned and gives its slot back at once: its thread cannot be killed (Python has no thread
-cancellation), so it runs on unobserved as a daemon thread, which never blocks the process from
-exiting (a ``ThreadPoolExecutor`` would join a hung worker at exit).
+abandoned and gives its slot back at once.
+
+Two isolations:
+
+- ``thread`` (the default): the call runs on a daemon thread. A thread cannot be killed (Python has
+  no thread cancellation), so an abandoned call runs on unobserved; it never blocks the process
+  from exiting (a ``ThreadPoolExecutor`` would join a hung worker at exit). Abandoned threads still
+  running are capped process-wide (:data:`MAX_ABANDONED`): past the cap a new call is refused at
+  once (``refused``, an error like any other) instead of adding one more thread, so hung user code
+  cannot pile up threads over a long run. A call that holds the GIL (a pure-Python loop, a
+  catastrophic regex) also stalls every other thread until it returns: use ``process``.
+- ``process``: the call (it must pickle: a module-level function and plain arguments) runs in a
+  worker process (``spawn``), reused from call to call. At its timeout the worker is killed and a
+  fresh one replaces it on the next call, so even a call holding the GIL ends on time. It costs a
+  pickle round trip per call and a worker start after each timeout (``benchmarks/call_isolation.py``).
 
 Results come back by index as :class:`CallResult`, whatever order the calls finish in, so the
 caller's state does not depend on thread timing. Every failure is reported, none escapes: an
@@ -17,23 +30,40 @@ about environments, tools or tokens.
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-__all__ = ["CallResult", "CallRunner", "TOOL_RUNNER", "run_calls"]
+__all__ = ["CallResult", "CallRunner", "TOOL_RUNNER", "run_calls", "process_tool_runner", "MAX_ABANDONED",
+           "ISOLATIONS", "abandoned_calls"]
+
+ISOLATIONS = ("thread", "process")
+MAX_ABANDONED = 64
+"""Abandoned (timed-out, still running) call threads allowed in the process; past it, calls are refused."""
+_abandoned = 0
+WORKER_START_S = 120.0
+"""How long a worker process may take to start and load a call (imports) before the call is an error."""
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_calls() -> int:
+    """Abandoned call threads still running in this process."""
+    return _abandoned
 
 
 @dataclass
 class CallResult:
     value: Any = None
     error: Optional[str] = None
-    """The formatted exception, when the call raised."""
+    """The formatted exception, when the call raised (or was refused)."""
     exception: Optional[BaseException] = None
     """The exception itself, when the call raised."""
     timed_out: bool = False
+    refused: bool = False
+    """Not run: too many abandoned calls are still running (:data:`MAX_ABANDONED`)."""
 
     @property
     def ok(self) -> bool:
@@ -52,20 +82,27 @@ class _Call:
 
 
 class CallRunner:
-    """Runs calls on daemon threads, at most ``max_workers`` at once (see the module docstring)."""
+    """Runs calls on daemon threads (or worker processes), at most ``max_workers`` at once (see the
+    module docstring)."""
 
-    def __init__(self, max_workers: int):
+    def __init__(self, max_workers: int, isolation: str = "thread"):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
-        self.max_workers = max_workers
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"isolation must be one of {ISOLATIONS}, got {isolation!r}")
+        self.max_workers, self.isolation = max_workers, isolation
         self._slots = threading.Semaphore(max_workers)
+        self._workers = _WorkerPool() if isolation == "process" else None
 
     def run(self, calls: list[Callable[[], Any]], timeout_s: float, name: str = "mugrpo-call") -> list[CallResult]:
-        """Run ``calls`` concurrently; result i is call i's value, error or timeout."""
+        """Run ``calls`` concurrently; result i is call i's value, error, timeout or refusal."""
         cond = threading.Condition()
         states = [_Call() for _ in calls]
         for i, call in enumerate(calls):
-            threading.Thread(target=self._work, args=(call, states[i], cond), daemon=True,
+            if _abandoned >= MAX_ABANDONED:
+                states[i].result = _refusal()
+                continue
+            threading.Thread(target=self._work, args=(call, states[i], cond, timeout_s), daemon=True,
                              name=f"{name}-{i}").start()
         with cond:
             while True:
@@ -73,24 +110,33 @@ class CallRunner:
                 for st in states:
                     if st.result is None and st.started is not None and now - st.started >= timeout_s:
                         st.abandoned, st.result = True, CallResult(timed_out=True)
+                        _count_abandoned(+1)
                         self._release(st)
                 running = [st.started + timeout_s - now for st in states if st.result is None and st.started]
                 if all(st.result is not None for st in states):
                     return [st.result for st in states]  # type: ignore[misc]
                 cond.wait(max(0.0, min(running)) if running else None)
 
-    def _work(self, call: Callable[[], Any], st: _Call, cond: threading.Condition) -> None:
+    def _work(self, call: Callable[[], Any], st: _Call, cond: threading.Condition, timeout_s: float) -> None:
         self._slots.acquire()
-        with cond:
-            st.started, st.holding = time.monotonic(), True
-            cond.notify_all()
+        worker = None
         try:
-            result = CallResult(value=call())
+            # A worker's start and its unpickling of the call (imports: seconds under spawn) are not
+            # the call's time: the clock starts when the worker says it has begun.
+            worker = self._workers.begin(call) if self._workers is not None else None
+            with cond:
+                st.started, st.holding = time.monotonic(), True
+                cond.notify_all()
+            result = self._workers.finish(worker, timeout_s) if worker is not None else CallResult(value=call())
         except BaseException as exc:  # noqa: BLE001 - user code: every failure is reported, none escapes
             result = CallResult(error=traceback.format_exc(limit=8), exception=exc)
+            with cond:
+                st.holding = st.holding or st.started is None  # a failed worker start still holds its slot
         with cond:
             self._release(st)
-            if not st.abandoned:
+            if st.abandoned:
+                _count_abandoned(-1)
+            else:
                 st.result = result
             cond.notify_all()
 
@@ -101,8 +147,128 @@ class CallRunner:
             self._slots.release()
 
 
+def _count_abandoned(delta: int) -> None:
+    global _abandoned
+    with _abandoned_lock:
+        _abandoned += delta
+
+
+def _refusal() -> CallResult:
+    message = (f"refused: {_abandoned} earlier calls timed out and are still running (at most {MAX_ABANDONED}); "
+               "the user code hangs: fix it, or run it in worker processes (env.tool_isolation=process)")
+    return CallResult(error=message, exception=RuntimeError(message), refused=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker processes (isolation="process").
+
+
+def _worker_main(conn) -> None:
+    """A worker's loop: receive a pickled call, send back ("ok", value) or ("error", traceback, exc)."""
+    while True:
+        try:
+            call = conn.recv()
+        except EOFError:
+            return
+        except BaseException as exc:  # noqa: BLE001 - the call did not unpickle here (an import failed)
+            conn.send(("error", traceback.format_exc(limit=8), RuntimeError(f"{type(exc).__name__}: {exc}")))
+            continue
+        conn.send(("started", None, None))
+        try:
+            reply = ("ok", call(), None)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            reply = ("error", traceback.format_exc(limit=8), exc)
+        try:
+            conn.send(reply)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable value or exception: say so instead
+            conn.send(("error", f"{type(exc).__name__}: {exc} (sending back {reply[0]} of {type(reply[1]).__name__})",
+                       None))
+
+
+class _WorkerPool:
+    """Idle worker processes; a call takes one (or starts one), gives it back, or kills it at its timeout."""
+
+    def __init__(self):
+        self._idle: list = []
+        self._lock = threading.Lock()
+        self._ctx = multiprocessing.get_context("spawn")
+
+    def take(self):
+        """An idle worker (process, connection), or a new one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="mugrpo-call-worker")
+        proc.start()
+        child.close()
+        return proc, parent
+
+    def begin(self, call: Callable[[], Any]):
+        """Send ``call`` to a worker and wait until it has begun (bounded by :data:`WORKER_START_S`);
+        the worker. Raises when the call does not pickle or unpickle, or the worker does not start."""
+        proc, conn = self.take()
+        try:
+            conn.send(call)
+        except Exception:  # the call does not pickle: an error of that call, the worker is fine
+            self._give_back(proc, conn)
+            raise
+        if not conn.poll(WORKER_START_S):
+            self._kill(proc, conn)
+            raise RuntimeError(f"the worker process did not start the call within {WORKER_START_S:g} s")
+        try:
+            kind, payload, exc = conn.recv()
+        except EOFError:
+            self._kill(proc, conn)
+            raise RuntimeError(f"the worker process died while starting the call (exit code {proc.exitcode})")
+        if kind != "started":  # the call did not unpickle in the worker
+            self._give_back(proc, conn)
+            raise RuntimeError(f"the worker could not load the call:\n{payload}")
+        return proc, conn
+
+    def finish(self, worker, timeout_s: float) -> CallResult:
+        """The call's result, or a timeout (the worker killed)."""
+        proc, conn = worker
+        if not conn.poll(timeout_s):
+            self._kill(proc, conn)
+            return CallResult(timed_out=True)
+        try:
+            kind, payload, exc = conn.recv()
+        except EOFError:  # the worker died (os._exit, a crash): an error, and the worker is gone
+            self._kill(proc, conn)
+            message = f"the worker process died (exit code {proc.exitcode})"
+            return CallResult(error=message, exception=RuntimeError(message))
+        except Exception as exc:  # noqa: BLE001 - a value or exception that does not unpickle here
+            self._give_back(proc, conn)
+            message = f"the call's result did not unpickle: {type(exc).__name__}: {exc}"
+            return CallResult(error=message, exception=RuntimeError(message))
+        self._give_back(proc, conn)
+        if kind == "ok":
+            return CallResult(value=payload)
+        return CallResult(error=payload, exception=exc if exc is not None else RuntimeError(payload))
+
+    @staticmethod
+    def _kill(proc, conn) -> None:
+        proc.kill()
+        proc.join()
+        conn.close()
+
+    def _give_back(self, proc, conn) -> None:
+        with self._lock:
+            self._idle.append((proc, conn))
+
+
 TOOL_RUNNER = CallRunner(16)
 """The runner tool environments share unless given their own."""
+_PROCESS_TOOL_RUNNER: Optional[CallRunner] = None
+
+
+def process_tool_runner() -> CallRunner:
+    """The runner tool environments share under ``env.tool_isolation=process`` (made on first use)."""
+    global _PROCESS_TOOL_RUNNER
+    if _PROCESS_TOOL_RUNNER is None:
+        _PROCESS_TOOL_RUNNER = CallRunner(16, isolation="process")
+    return _PROCESS_TOOL_RUNNER
 
 
 def run_calls(calls: list[Callable[[], Any]], max_workers: int, timeout_s: float) -> list[CallResult]:

@@ -21,7 +21,14 @@ A trajectory ends (``end_reason``), each counted by :func:`loop_metrics`:
                     NOT appended (TRL's rule) and the trajectory is truncated
 - ``env_error`` / ``env_timeout`` / ``env_bad_output``  ``env.step`` (or rendering its messages)
                     raised, ran past ``step_timeout_s``, or returned something that is not a
-                    :class:`StepResult` of text messages and a finite reward. Never a crash.
+                    :class:`StepResult` of text messages, a reward finite as a float32 and a bool
+                    ``done``. Never a crash.
+
+Values are checked before they are used: numbers in step metadata and ``env.metrics()`` that are
+not finite as a float32 are dropped (``num_dropped_values``); an observation longer than
+``max_observation_chars`` is cut before it is rendered (``num_truncated_observations``); a policy
+turn takes at most ``max_tokens_per_turn`` tokens. :func:`first_problems` gives the first failure
+of each kind, for the stage's warnings.
 
 The token budget covers every response token, policy and environment (``rollout.max_new_tokens``
 applies to the whole trajectory, TRL's ``max_completion_length`` semantics).
@@ -48,6 +55,8 @@ from mugrpo.seeds import derive
 
 END_REASONS = ("done", "turn_limit", "length", "overflow", "env_error", "env_timeout", "env_bad_output")
 TRUNCATED = ("length", "overflow")
+FLOAT32_MAX = 3.4028234663852886e38
+"""Rewards are stored as float32: a larger one would become inf."""
 ENV_TOKEN = -1
 """The ``turns`` value of an environment token."""
 MAX_TURNS = 127
@@ -69,20 +78,32 @@ class LoopLimits:
     step_timeout_s: float = 30.0
     max_workers: int = 8
     """Environment steps running at once."""
+    reset_timeout_s: float = 60.0
+    """Making one environment, its ``reset`` and its ``tools()``, each at most this long."""
+    max_observation_chars: int = 20000
+    """An environment message longer than this is cut to it before it is rendered (counted)."""
+    max_tokens_per_turn: Optional[int] = None
+    """New tokens of one policy turn at most; None = the sampling's ``max_new_tokens``."""
 
     @classmethod
     def from_config(cls, env_cfg, max_response_tokens: int, max_context: Optional[int] = None) -> "LoopLimits":
         """The limits a run's ``env`` config section sets (``env.max_turns``, ``env.step_timeout_s``,
-        ``env.max_workers``), with the trajectory's token budget and the model's context."""
+        ``env.max_workers``, ``env.reset_timeout_s``, ``env.max_observation_chars``,
+        ``env.max_tokens_per_turn``), with the trajectory's token budget and the model's context."""
         return cls(max_turns=env_cfg.max_turns, max_response_tokens=max_response_tokens, max_context=max_context,
-                   step_timeout_s=env_cfg.step_timeout_s, max_workers=env_cfg.max_workers)
+                   step_timeout_s=env_cfg.step_timeout_s, max_workers=env_cfg.max_workers,
+                   reset_timeout_s=env_cfg.reset_timeout_s, max_observation_chars=env_cfg.max_observation_chars,
+                   max_tokens_per_turn=env_cfg.max_tokens_per_turn)
 
     def __post_init__(self):
         if not 1 <= self.max_turns <= MAX_TURNS:
             raise ValueError(f"max_turns must be in 1..{MAX_TURNS} (turns are stored as int8), got {self.max_turns}")
-        if self.max_response_tokens < 1 or self.step_timeout_s <= 0 or self.max_workers < 1:
+        if (self.max_response_tokens < 1 or self.step_timeout_s <= 0 or self.max_workers < 1
+                or self.reset_timeout_s <= 0 or self.max_observation_chars < 1
+                or (self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1)):
             raise ValueError(f"invalid loop limits {self}: need max_response_tokens >= 1, step_timeout_s > 0, "
-                             "max_workers >= 1")
+                             "max_workers >= 1, reset_timeout_s > 0, max_observation_chars >= 1, "
+                             "max_tokens_per_turn None or >= 1")
 
 
 @dataclass
@@ -106,6 +127,9 @@ class Trajectory:
     """The decoded final policy turn (what the task's rewards score)."""
     error: Optional[str] = None
     """The first failure's traceback or description, for the run's warning."""
+    problems: dict[str, str] = field(default_factory=dict)
+    """The first failure of each kind (an end reason, ``close_error``, ``dropped_value``): its
+    traceback or description, for the stage's warnings (:func:`first_problems`)."""
 
     @property
     def active(self) -> bool:
@@ -164,20 +188,26 @@ class LoopContext:
 
 def roll_out_items(ctx: LoopContext, factory: EnvFactory, items: list, sampling: SamplingConfig, *,
                    reset_seed: int, select: Optional[Callable[[list[list[int]]], list[int]]] = None,
-                   progress: Optional[Callable[[int], None]] = None
+                   progress: Optional[Callable[[int], None]] = None, skipped: Optional[list[str]] = None
                    ) -> tuple[list[int], list[list[int]], list[Trajectory]]:
     """A stage's trajectories for ``items``: (the groups kept, their prompts, G = ``sampling.n``
     trajectories per kept group, group-major).
 
-    Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`);
-    ``select(prompts)`` may keep only some groups (e.g. the prompt-length rule; the others' envs
-    are closed); the rest are rolled out and closed (also when the loop raises). A turn ends at the
-    engine's EOS.
+    Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`, each call
+    bounded by ``limits.reset_timeout_s``). With a ``skipped`` list, an item whose environment cannot
+    be made or reset is left out and what failed is appended to ``skipped`` (every item failing
+    stops); without one, the first such failure stops. ``select(prompts)`` may keep only some groups
+    (e.g. the prompt-length rule; the others' envs are closed); the rest are rolled out and closed
+    (also when the loop raises). A turn ends at the engine's EOS.
     """
     from mugrpo.rollout.envs.start import start_trajectories
 
     G, limits = sampling.n, ctx.limits
-    prompts, envs = start_trajectories(factory, items, G, reset_seed, ctx.tokenizer, ctx.task_cfg)
+    started = start_trajectories(factory, items, G, reset_seed, ctx.tokenizer, ctx.task_cfg,
+                                 limits.reset_timeout_s, skipped is not None)
+    if skipped is not None:
+        skipped += started.failures
+    prompts, envs = started.prompts, started.envs
     try:
         kept = list(range(len(prompts))) if select is None else list(select(prompts))
         dropped = sorted(set(range(len(prompts))) - set(kept))
@@ -188,7 +218,7 @@ def roll_out_items(ctx: LoopContext, factory: EnvFactory, items: list, sampling:
     except BaseException:
         _close_all([Trajectory([], env, 1) for env in envs], limits)
         raise
-    return kept, prompts, trajs
+    return [started.kept[g] for g in kept], prompts, trajs
 
 
 def run_trajectories(ctx: LoopContext, prompts: list[list[int]], envs: list[Environment], sampling: SamplingConfig,
@@ -238,7 +268,9 @@ def _policy_turn(engine, active: list[Trajectory], sampling: SamplingConfig, lim
     seed = derive(sampling.seed, "multiturn-turn", turn)
     per_turn = dataclasses.replace(sampling, n=n, seed=seed)
     heads = active[::n]  # turn 0: the first trajectory of each group; later: all (n = 1)
-    caps = [min(sampling.max_new_tokens, t.room(limits)) for t in heads]
+    per_turn_cap = sampling.max_new_tokens if limits.max_tokens_per_turn is None else min(
+        sampling.max_new_tokens, limits.max_tokens_per_turn)
+    caps = [min(per_turn_cap, t.room(limits)) for t in heads]
     prompts = [t.prompt_ids + t.response_ids for t in heads]
     out = engine.generate(prompts, per_turn, max_new_tokens=caps)
     return [c for group in out for c in group]
@@ -279,9 +311,7 @@ def _environment_turn(stepping: list[Trajectory], limits: LoopLimits, render: En
 def _apply_step(t: Trajectory, result: StepResult, limits: LoopLimits, render: EnvTurnRenderer,
                 ended_on_eos: bool) -> None:
     t.env_reward += float(result.reward)
-    for key, value in result.metadata.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            t.metadata[key] = t.metadata.get(key, 0.0) + float(value)
+    _add_numbers(t, result.metadata)
     if result.done:
         t.end_reason = "done"
         return
@@ -289,7 +319,7 @@ def _apply_step(t: Trajectory, result: StepResult, limits: LoopLimits, render: E
         t.end_reason = "turn_limit"
         return
     try:
-        ids = list(render(result.observations, ended_on_eos))
+        ids = list(render(_capped(t, result.observations, limits.max_observation_chars), ended_on_eos))
     except Exception as exc:  # noqa: BLE001 - messages the template cannot render are the env's bad output
         _end(t, "env_bad_output", f"rendering the environment's messages failed: {exc!r}")
         return
@@ -299,12 +329,53 @@ def _apply_step(t: Trajectory, result: StepResult, limits: LoopLimits, render: E
     t.append(ids, [0.0] * len(ids), ENV_TOKEN)
 
 
+def _capped(t: Trajectory, messages: list[dict], max_chars: int) -> list[dict]:
+    """``messages`` with each content longer than ``max_chars`` cut to it (counted), never tokenized whole."""
+    out = []
+    for m in messages:
+        if len(m["content"]) > max_chars:
+            m = {**m, "content": m["content"][:max_chars]}
+            t.metadata["num_truncated_observations"] = t.metadata.get("num_truncated_observations", 0.0) + 1
+        out.append(m)
+    return out
+
+
+def _finite(value) -> Optional[float]:
+    """``value`` as a float that stays finite in float32 (rewards and metrics are stored so), or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an int too large for a float
+        return None
+    return number if math.isfinite(number) and abs(number) <= FLOAT32_MAX else None
+
+
+def _add_numbers(t: Trajectory, values: dict) -> None:
+    """Sum the numbers of ``values`` into ``t.metadata``; a number that is not a finite float (NaN,
+    inf, 1e300, an int too large for a float) is dropped and counted in ``num_dropped_values``; other
+    values (text, lists) are not numbers to log and are ignored, as ever."""
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        number = _finite(value)
+        if number is None:
+            t.metadata["num_dropped_values"] = t.metadata.get("num_dropped_values", 0.0) + 1
+            t.problems.setdefault("dropped_value", f"dropped {key}={value!r:.60} of the environment's metadata or "
+                                  "metrics: not a number that is finite as a float32")
+            continue
+        t.metadata[key] = t.metadata.get(key, 0.0) + number
+
+
 def _invalid_step(value) -> Optional[str]:
     """Why ``value`` is not a usable step result, or None."""
     if not isinstance(value, StepResult):
         return f"env.step returned {type(value).__name__}, not a StepResult"
-    if not isinstance(value.reward, (int, float)) or isinstance(value.reward, bool) or not math.isfinite(value.reward):
-        return f"env.step returned reward {value.reward!r}, not a finite number"
+    if _finite(value.reward) is None:
+        return (f"env.step returned reward {value.reward!r:.60}, not a number that is finite as a float32 "
+                f"(|reward| <= {FLOAT32_MAX:.3g})")
+    if not isinstance(value.done, bool):
+        return f"env.step returned done={value.done!r:.60}, not a bool"
     if not isinstance(value.observations, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value.observations):
@@ -317,6 +388,16 @@ def _invalid_step(value) -> Optional[str]:
 def _end(t: Trajectory, reason: str, error: str) -> None:
     t.end_reason = reason
     t.error = t.error or error
+    t.problems.setdefault(reason, error)
+
+
+def first_problems(trajs: list[Trajectory]) -> dict[str, str]:
+    """The first traceback or description of each kind of failure among ``trajs`` (in order)."""
+    out: dict[str, str] = {}
+    for t in trajs:
+        for kind, text in t.problems.items():
+            out.setdefault(kind, text)
+    return out
 
 
 def _close_all(trajs: list[Trajectory], limits: LoopLimits) -> None:
@@ -333,10 +414,11 @@ def _close_all(trajs: list[Trajectory], limits: LoopLimits) -> None:
     for t, r in zip(trajs, results):
         if not r.ok or not isinstance(r.value, dict):
             t.metadata["num_close_errors"] = t.metadata.get("num_close_errors", 0.0) + 1
+            t.problems.setdefault("close_error", f"env.metrics()/close() ran past {limits.step_timeout_s:g} s"
+                                  if r.timed_out else r.error or
+                                  f"env.metrics() returned {type(r.value).__name__}, not a dict")
             continue
-        for key, value in r.value.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                t.metadata[key] = t.metadata.get(key, 0.0) + float(value)
+        _add_numbers(t, r.value)
 
 
 def loop_counts(trajs: list[Trajectory]) -> dict[str, float]:

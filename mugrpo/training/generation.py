@@ -85,7 +85,20 @@ class RoundGenerator:
                        "score_s": time.perf_counter() - t_gen})
         if batch.env_counts is not None:  # this rank's, summed over rounds and then ranks by GeneratedStages
             record["env_counts"] = batch.env_counts
+            self._report_env_problems(stage, batch)
         return data, record
+
+    def _report_env_problems(self, stage: int, batch) -> None:
+        """Print the first failure of each kind of the stage's environments once per stage (and rank),
+        with its traceback; the counts are in the stage's ``env/*`` metrics."""
+        if getattr(self, "_reported_stage", None) != stage:
+            self._reported_stage, self._reported = stage, set()
+        for kind, text in (batch.env_problems or {}).items():
+            if kind not in self._reported:
+                self._reported.add(kind)
+                who = f" (rank {self.world.rank})" if self.world.size > 1 else ""
+                print(f"[mugrpo] warning: stage {stage}{who}: environment {kind.replace('_', ' ')}; counted in "
+                      f"env/*; the first:\n{text}")
 
     def reward_names(self) -> list[str]:
         task = self.task

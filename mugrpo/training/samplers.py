@@ -24,7 +24,7 @@ import torch
 
 from mugrpo.algo.advantages import group_advantages
 from mugrpo.rollout.engines import SamplingConfig
-from mugrpo.rollout.multiturn import LoopContext, LoopLimits, loop_counts, roll_out_items
+from mugrpo.rollout.multiturn import LoopContext, LoopLimits, first_problems, loop_counts, roll_out_items
 from mugrpo.rollout.rewards import per_reward_counts
 from mugrpo.rollout.tasks import Task, limit_prompts, prompt_ids
 from mugrpo.training.data import StageData
@@ -59,7 +59,10 @@ class Batch:
     turns: Optional[list[list[int]]] = None
     """Per token: policy turn k >= 0 or -1 for an environment token (multi-turn only)."""
     env_counts: Optional[dict[str, float]] = None
-    """:func:`mugrpo.rollout.multiturn.loop_counts` of the trajectories (multi-turn only)."""
+    """:func:`mugrpo.rollout.multiturn.loop_counts` of the trajectories, and ``env/num_items_skipped``
+    (items whose environment could not be made or reset; multi-turn only)."""
+    env_problems: Optional[dict[str, str]] = None
+    """The first failure of each kind (``start_error``, the end reasons, ``close_error``, ...), its traceback."""
 
 
 def _tokenised(parts: RolloutParts, task_cfg, indices: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -105,14 +108,21 @@ class TrajectorySampler:
 
     def sample(self, indices: list[int], prompts: list[list[int]], sampling: SamplingConfig,
                on_batch: Callable[[int], None], reset_seed: int) -> Batch:
+        skipped: list[str] = []  # items whose environment failed to start: left out, as too-long prompts are
         kept, prompts, trajs = roll_out_items(self.ctx, self.parts.env_factory,
                                               [self.parts.task.items[i] for i in indices], sampling,
-                                              reset_seed=reset_seed, select=self._select, progress=on_batch)
+                                              reset_seed=reset_seed, select=self._select, progress=on_batch,
+                                              skipped=skipped)
+        problems = first_problems(trajs)
+        if skipped:
+            problems = {"start_error": skipped[0], **problems}
         return Batch([indices[g] for g in kept], prompts, [t.response_ids for t in trajs],
                      [t.behavior_logprobs for t in trajs],
                      torch.tensor([not t.truncated for t in trajs], dtype=torch.bool), [t.final_text for t in trajs],
                      env_rewards=torch.tensor([t.env_reward for t in trajs], dtype=torch.float32),
-                     turns=[t.turns for t in trajs], env_counts=loop_counts(trajs))
+                     turns=[t.turns for t in trajs],
+                     env_counts={**loop_counts(trajs), "env/num_items_skipped": float(len(skipped))},
+                     env_problems=problems)
 
     def _select(self, prompts: list[list[int]]) -> list[int]:
         cfg = self.task_cfg

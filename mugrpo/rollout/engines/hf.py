@@ -104,6 +104,19 @@ class StopStrings(StoppingCriteria):
         return torch.tensor([end is not None for end in self.ends], device=input_ids.device)
 
 
+class RowLimits(StoppingCriteria):
+    """Marks a row finished once it has ``limits[row]`` new tokens, so that rows with a lower cap
+    than the call's largest (a multi-turn call's per-trajectory room) do not keep ``generate``
+    running after every row is done. Finishing a row changes no other row's tokens: the sampler
+    draws for the whole batch either way, a finished row just gets padding."""
+
+    def __init__(self, limits: list[int], width: int):
+        self.limits, self.width = torch.tensor(limits), width
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return (self.limits <= input_ids.shape[1] - self.width).to(input_ids.device)
+
+
 def sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
     """The active warpers, in ``generate``'s own order (temperature, top-k, top-p); none for greedy."""
     if sampling.temperature == 0:
@@ -227,8 +240,11 @@ class HFEngine:
             gen_cfg.max_new_tokens = max(limits)
             limits = [limit for limit in limits for _ in range(n)]
         stops = StopStrings(self.tokenizer, sampling.stop, width, input_ids.shape[0]) if sampling.stop else None
-        if stops is not None:
-            extra["stopping_criteria"] = StoppingCriteriaList([stops])
+        criteria = [] if stops is None else [stops]
+        if limits is not None and min(limits) < max(limits):
+            criteria.append(RowLimits(limits, width))
+        if criteria:
+            extra["stopping_criteria"] = StoppingCriteriaList(criteria)
         sequences = self.model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg,
                                         logits_processor=processors, **extra)
         new_tokens = sequences[:, width:]

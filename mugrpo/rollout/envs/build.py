@@ -10,7 +10,9 @@ The keys read (their schema and documentation live with the config):
 - ``task.tools``: tools as ``"module:function"`` paths or (from Python, ``mugrpo.train(tools=...)``)
   functions; alone they make a :class:`ToolEnvironment`;
 - ``env.max_turns`` and ``env.tool_timeout_s``: the defaults of an environment's ``max_turns`` and
-  ``timeout_s`` when it takes them and ``task.env_args`` does not set them.
+  ``timeout_s`` when it takes them and ``task.env_args`` does not set them;
+- ``env.tool_isolation``: ``process`` runs ``task.tools`` calls in worker processes
+  (:func:`mugrpo.rollout.calls.process_tool_runner`).
 
 Mistakes raise :class:`mugrpo.errors.ConfigError` naming the key, at start: the factory is tried
 (two instances made and closed) before any stage runs, and what they are is checked: a ``max_turns``
@@ -26,12 +28,13 @@ import inspect
 from typing import Any, Callable, Optional
 
 from mugrpo.errors import ConfigError, UserError
+from mugrpo.rollout.calls import CallRunner, process_tool_runner
 from mugrpo.rollout.envs import ENVIRONMENTS
 from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
-__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score"]
+__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score", "turn_budget_rows"]
 
 
 def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
@@ -48,7 +51,8 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
                               f"{list(ENVIRONMENTS.names())})")
         if not tools:
             return None
-        return _checked(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s),
+        runner = process_tool_runner() if getattr(env_cfg, "tool_isolation", "thread") == "process" else None
+        return _checked(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s, runner),
                         "task.tools")
     if tools:
         raise ConfigError("task.tools with task.env: tools make their own environment (a tool environment); "
@@ -103,7 +107,7 @@ def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
         raise ConfigError(f"task.env: calling {getattr(make, '__name__', make)!r} with task.env_args={args} "
                           f"failed: {type(exc).__name__}: {exc}") from exc
     if isinstance(probe, Environment):
-        probe.close()
+        _close_bounded([probe])
         return _checked(functools.partial(make, **args), "task.env", "max_turns" in args)
     if args:
         raise ConfigError(f"task.env_args={args}: a TRL environment_factory is called without arguments")
@@ -122,8 +126,7 @@ def _checked(factory: EnvFactory, key: str, max_turns_given: bool = False) -> En
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{key}: {exc}") from exc
     finally:
-        for env in envs:
-            env.close()
+        _close_bounded(envs)
     first, second = envs
     name = type(first).__name__
     key = "task.tools" if key == "task.tools" else "task.env"  # what the environments are, not their arguments
@@ -157,7 +160,43 @@ def describe_env(factory: Optional[EnvFactory]) -> list[tuple[str, str]]:
                 ("environment max turns", str(env.max_turns)),
                 ("environment stop strings", ", ".join(repr(s) for s in env.stop) if env.stop else "none (EOS only)")]
     finally:
-        env.close()
+        _close_bounded([env])
+
+
+def turn_budget_rows(factory: Optional[EnvFactory], tokenizer, max_new_tokens: int, env_cfg) -> list[tuple[str, str]]:
+    """(label, value) rows of what one environment turn costs in template tokens (an empty observation
+    rendered by the model's tokenizer, :func:`mugrpo.rollout.envs.render.env_turn_ids`) and how many
+    policy turns ``rollout.max_new_tokens`` allows at the per-turn cap; [] for a single-turn run."""
+    from mugrpo.rollout.envs.render import env_turn_ids
+
+    if factory is None:
+        return []
+    env = factory()
+    try:
+        role = "tool" if env.tools() else "user"
+        turns = min(env_cfg.max_turns, env.max_turns)
+    finally:
+        _close_bounded([env])
+    message = {"role": role, "content": ""} if role == "user" else {"role": "tool", "name": "tool", "content": ""}
+    template = len(env_turn_ids(tokenizer, [message], True))
+    per_turn = min(env_cfg.max_tokens_per_turn or max_new_tokens, max_new_tokens)
+    # k policy turns at the cap, with k - 1 environment turns between them, fit when
+    # k * per_turn + (k - 1) * template <= max_new_tokens (observations' own tokens come on top).
+    fit = (max_new_tokens + template) // (per_turn + template)
+    return [("env turn template", f"{template} tokens per environment turn (a {role} message, the model's "
+                                          "chat template), plus the observation's own"),
+            ("policy turn cap", f"{per_turn} tokens (env.max_tokens_per_turn"
+                                f"{'' if env_cfg.max_tokens_per_turn else ' unset: rollout.max_new_tokens'})"),
+            ("turns the budget allows", f"{fit} policy turns at the cap within rollout.max_new_tokens="
+                                        f"{max_new_tokens} (max turns {turns}; fewer with long observations)")]
+
+
+def _close_bounded(envs: list[Environment], timeout_s: float = 30.0) -> None:
+    """Close the probe environments, each bounded; a close that raises or hangs is the loop's to
+    count (every trajectory's close is), not a reason to refuse the environment here."""
+    runner = CallRunner(1)
+    for env in envs:
+        runner.run([env.close], timeout_s, name="mugrpo-env-close")
 
 
 def _refuse_labels(args: dict, key: str = "task.env_args") -> None:

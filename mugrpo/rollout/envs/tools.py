@@ -15,13 +15,17 @@ back to the model as ``{"error": "..."}`` and are counted in :attr:`StepResult.m
 - ``tool_calls``: calls attempted (well-formed or not);
 - ``tool_errors``: calls answered with an error, all causes together; broken down into
   ``tool_unknown`` (no such tool), ``tool_bad_args`` (not JSON, not an object, or arguments that do
-  not bind), ``tool_exceptions`` (the tool raised) and ``tool_timeouts`` (past ``timeout_s``).
+  not bind), ``tool_exceptions`` (the tool raised, or was refused: too many hung calls) and
+  ``tool_timeouts`` (past ``timeout_s``).
 
 Calls run on the one bounded, timed runner of :mod:`mugrpo.rollout.calls` (the environment steps
 run on it too): at most 16 at a time across all tool environments of the process
 (:data:`~mugrpo.rollout.calls.TOOL_RUNNER`, unless an environment is given its own ``runner``), so
 slow tools of different trajectories overlap. A call's timeout runs from its start; a timed-out
-call gives its slot back, and its daemon thread runs on unobserved (it never blocks the exit).
+call gives its slot back, and its daemon thread runs on unobserved (it never blocks the exit; the
+hung threads are capped). With ``env.tool_isolation=process`` the calls run in worker processes,
+killed at their timeout (:func:`~mugrpo.rollout.calls.process_tool_runner`): the tools must then
+pickle (module-level functions).
 
 This module knows nothing about tokens (that is :mod:`.render`) nor about the rollout loop.
 """
@@ -220,12 +224,22 @@ class ToolEnvironment(Environment):
         return None
 
 
-def _bound(fn: Callable, arguments: dict) -> Callable[[], Any]:
-    """The call, an ``async def`` tool's coroutine run to its end on the call's own thread."""
-    def call():
-        value = fn(**arguments)
+class _Bound:
+    """A tool with its arguments, an ``async def`` tool's coroutine run to its end on the call's own
+    thread (or worker process: a class, not a closure, so it pickles when the tool does)."""
+
+    __slots__ = ("fn", "arguments")
+
+    def __init__(self, fn: Callable, arguments: dict):
+        self.fn, self.arguments = fn, arguments
+
+    def __call__(self) -> Any:
+        value = self.fn(**self.arguments)
         return asyncio.run(value) if inspect.iscoroutine(value) else value
-    return call
+
+
+def _bound(fn: Callable, arguments: dict) -> Callable[[], Any]:
+    return _Bound(fn, arguments)
 
 
 class FactoryEnvironment(ToolEnvironment):

@@ -1,0 +1,78 @@
+"""What a tool call costs under each isolation of the one runner (mugrpo.rollout.calls.CallRunner):
+``thread`` (a daemon thread per call) and ``process`` (a reused worker process per running call, the
+call and its result pickled), and what a timeout costs under ``process`` (the worker killed, a fresh
+one started on the next call).
+
+    PYTHONPATH=.:tests OMP_NUM_THREADS=1 python -m benchmarks.call_isolation --calls 200
+
+Writes benchmarks/results/call_isolation.json (with torch.backends.cpu.get_cpu_capability() and the
+CPU count beside the timings). A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import guard_tools
+from mugrpo.rollout.calls import CallRunner
+from mugrpo.rollout.envs.tools import _Bound
+
+
+def per_call_s(runner: CallRunner, calls: int, batch: int, fn, args: dict) -> float:
+    """Seconds per call, ``batch`` calls per ``run`` (a step's tool calls run together)."""
+    runner.run([_Bound(fn, args)] * batch, 30.0)  # warm: the workers exist
+    t0 = time.perf_counter()
+    for _ in range(calls // batch):
+        out = runner.run([_Bound(fn, args)] * batch, 30.0)
+        assert all(r.ok for r in out), out
+    return (time.perf_counter() - t0) / (calls // batch * batch)
+
+
+def timeout_cost_s(repeats: int) -> dict:
+    """Under ``process``: a call killed at a 0.2 s timeout, then the next (cold) call's seconds."""
+    runner = CallRunner(1, isolation="process")
+    runner.run([_Bound(guard_tools.add, {"a": 1, "b": 1})], 30.0)
+    killed, next_call = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        runner.run([_Bound(guard_tools.backtrack, {"n": 30})], 0.2)
+        killed.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        runner.run([_Bound(guard_tools.add, {"a": 1, "b": 1})], 30.0)
+        next_call.append(time.perf_counter() - t0)
+    return {"timed_out_call_s": statistics.median(killed), "next_call_after_kill_s": statistics.median(next_call)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--out", default="benchmarks/results/call_isolation.json")
+    args = parser.parse_args()
+    rows = []
+    for isolation in ("thread", "process"):
+        for batch in (1, 8):
+            runner = CallRunner(8, isolation=isolation)
+            for name, fn, fn_args in (("add", guard_tools.add, {"a": 1, "b": 2}),
+                                      ("sleep_1ms", guard_tools.sleep, {"seconds": 0.001})):
+                rows.append({"isolation": isolation, "calls_per_run": batch, "tool": name,
+                             "per_call_s": per_call_s(runner, args.calls, batch, fn, fn_args)})
+                print(rows[-1], flush=True)
+    result = {"rows": rows, "process_timeout": timeout_cost_s(5),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),
+              "note": "2 shared cores, other jobs running: relative, not absolute, numbers"}
+    print(result["process_timeout"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
