@@ -114,11 +114,16 @@ def counts(**nonzero) -> dict:
     return {**dict.fromkeys(COUNT_KEYS, 0), **nonzero}
 
 
+def totals(metadata: dict) -> dict:
+    """The step's total counts (the per-tool ones are tested on their own below)."""
+    return {k: metadata[k] for k in COUNT_KEYS}
+
+
 def test_a_good_call_returns_its_result():
     env = ToolEnvironment([add, boom])
     result = env.step(call("add", a=2, b=3))
     assert result.observations == [{"role": "tool", "name": "add", "content": "5"}]
-    assert (result.reward, result.done, result.metadata) == (0.0, False, counts(tool_calls=1))
+    assert (result.reward, result.done, totals(result.metadata)) == (0.0, False, counts(tool_calls=1))
 
 
 @pytest.mark.parametrize("action, key, says", [
@@ -133,7 +138,7 @@ def test_each_failure_is_an_error_observation_and_counted(action, key, says):
     result = env.step(action)
     (obs,) = result.observations
     assert obs["role"] == "tool" and says in json.loads(obs["content"])["error"]
-    assert result.metadata == counts(tool_calls=1, tool_errors=1, **{key: 1})
+    assert totals(result.metadata) == counts(tool_calls=1, tool_errors=1, **{key: 1})
     assert not result.done  # the model reads the error and may try again
 
 
@@ -141,7 +146,7 @@ def test_mixed_calls_are_counted_each():
     env = ToolEnvironment([add, boom])
     result = env.step(call("add", a=1, b=1) + call("boom", x="a") + call("nope") + "<tool_call>x</tool_call>")
     # 4 calls: 1 fine, 1 raised, 1 unknown, 1 bad JSON -> 3 errors
-    assert result.metadata == counts(tool_calls=4, tool_errors=3, tool_exceptions=1, tool_unknown=1, tool_bad_args=1)
+    assert totals(result.metadata) == counts(tool_calls=4, tool_errors=3, tool_exceptions=1, tool_unknown=1, tool_bad_args=1)
     assert result.observations[0]["content"] == "2"
 
 
@@ -152,7 +157,7 @@ def test_a_hung_tool_times_out_and_the_step_returns():
     elapsed = time.monotonic() - start
     assert elapsed < 2.0  # bounded by the timeout (0.2 s), not the 5 s sleep; slack for a loaded CPU
     assert "did not return within 0.2 s" in json.loads(result.observations[0]["content"])["error"]
-    assert result.metadata == counts(tool_calls=1, tool_errors=1, tool_timeouts=1)
+    assert totals(result.metadata) == counts(tool_calls=1, tool_errors=1, tool_timeouts=1)
 
 
 def test_slow_calls_run_concurrently_in_the_pool():
@@ -316,3 +321,24 @@ def test_factory_reward_sums_to_the_last_get_reward():
     assert rewards == [1.0, -1.0, 1.0] and sum(rewards) == 1.0
     final = env.step("done")
     assert final.done and final.reward == 0.0  # unchanged since the last step
+
+
+def test_counts_per_tool_and_the_tool_use_fractions():
+    # One step: add(1, 2) works, add with a wrong argument fails, nap is never called, and an unknown
+    # tool counts only in the totals.
+    env = ToolEnvironment([add, nap])
+    result = env.step(call("add", a=1, b=2) + call("add", a=1, c=2) + call("nope"))
+    m = result.metadata
+    assert (m["tool_calls"], m["tool_errors"]) == (3, 2)
+    assert (m["tool_calls/add"], m["tool_errors/add"], m["tool_calls/nap"], m["tool_errors/nap"]) == (2, 1, 0, 0)
+    # Three trajectories: the first made those 3 calls (2 failed), the second 1 good call, the third
+    # none: 2 of 3 called a tool; 2 of 4 calls were answered without an error.
+    from mugrpo.rollout.multiturn import Trajectory, loop_metrics
+
+    trajs = [Trajectory([1], env, 2, metadata=dict(m)), Trajectory([1], env, 2, metadata={"tool_calls": 1.0}),
+             Trajectory([1], env, 2, metadata={"tool_calls": 0.0})]
+    for t in trajs:
+        t.end_reason = "done"
+    out = loop_metrics(trajs)
+    assert out["env/num_with_tool_call"] == 2 and out["env/tool_call_frac"] == pytest.approx(2 / 3)
+    assert out["env/tool_success_frac"] == pytest.approx(0.5) and out["env/tool_calls/add"] == 2

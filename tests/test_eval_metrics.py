@@ -53,7 +53,15 @@ def test_summarize_by_hand():
     assert out["avg_at_4"] == pytest.approx(0.375)     # (1/4 + 2/4) / 2
     assert out["pass_at_1"] == pytest.approx(0.375)    # pass@1 = c/n per item, same mean
     assert out["pass_at_2"] == pytest.approx(2 / 3)    # (1 - 3/6 + 1 - 1/6) / 2 = (1/2 + 5/6) / 2
-    assert set(out) == {"greedy_acc", "avg_at_4", "pass_at_1", "pass_at_2"}
+    assert out["informative_frac_at_4"] == 1.0         # both items' samples disagree
+    assert set(out) == {"greedy_acc", "avg_at_4", "pass_at_1", "pass_at_2", "informative_frac_at_4"}
+
+
+def test_informative_fraction_counts_items_whose_samples_disagree():
+    # [1, 0] and [0.5, 1] disagree, [1, 1] and [0, 0] do not: 2 of 4 items would give GRPO a gradient.
+    out = summarize(None, [[1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [0.5, 1.0]])
+    assert out["informative_frac_at_2"] == 0.5
+    assert "informative_frac_at_1" not in summarize(None, [[1.0], [0.0]])  # one sample has no variance
 
 
 def test_partial_credit_counts_in_averages_not_in_pass_at_k():

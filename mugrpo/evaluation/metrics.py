@@ -46,7 +46,9 @@ def _mean(values: Sequence[float]) -> float:
 
 def summarize(greedy_scores: Sequence[float] | None, sample_scores: Sequence[Sequence[float]] | None,
               ks: Sequence[int] = (), correct_at: float = 1.0) -> dict[str, float]:
-    """Item-averaged metrics: ``greedy_acc``, ``avg_at_{n}`` and ``pass_at_{k}`` for each k in ``ks``.
+    """Item-averaged metrics: ``greedy_acc``, ``avg_at_{n}``, ``pass_at_{k}`` for each k in ``ks`` and,
+    with n >= 2, ``informative_frac_at_{n}``: the fraction of items whose samples' scores are not all
+    equal, i.e. whose GRPO group of n would carry a gradient (before RL: will it learn anything?).
 
     ``greedy_scores`` [items]; ``sample_scores`` [items][n] (every item the same n). Keys whose
     inputs are missing are left out; an empty item list gives NaN means.
@@ -59,6 +61,8 @@ def summarize(greedy_scores: Sequence[float] | None, sample_scores: Sequence[Seq
         if any(len(s) != n for s in sample_scores):
             raise ValueError("summarize: every item needs the same number of samples")
         out[f"avg_at_{n}"] = _mean([_mean(s) for s in sample_scores])
+        if n >= 2:  # items whose n samples disagree: a GRPO group of size n there has a gradient
+            out[f"informative_frac_at_{n}"] = _mean([float(len(set(s)) > 1) for s in sample_scores])
         counts = [sum(1 for x in s if x >= correct_at) for s in sample_scores]
         for k in sorted(set(ks)):
             out[f"pass_at_{k}"] = _mean([pass_at_k(n, c, k) for c in counts])

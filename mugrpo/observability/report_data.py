@@ -266,7 +266,7 @@ def environment_summary(run: Run) -> Optional[dict]:
     counts: dict[str, float] = {}
     for s in stages:
         for key, v in s.items():
-            if key.startswith("env/") and not key.endswith("_mean") and not math.isnan(value(s, key)):
+            if key.startswith("env/") and not key.endswith(("_mean", "_frac")) and not math.isnan(value(s, key)):
                 counts[key] = counts.get(key, 0.0) + value(s, key)
     num = sum(counts.get(k, 0.0) for k in ENV_END_KEYS)
     tokens = counts.get("env/num_policy_tokens", 0.0) + counts.get("env/num_env_tokens", 0.0)
@@ -298,4 +298,4 @@ def environment_stage(s: dict) -> dict:
             "end_frac": {k.removeprefix("env/num_"): count(k) / num if num else math.nan for k in ENV_END_KEYS},
             "turns_mean": value(s, "env/turns_mean"), "reward_mean": value(s, "env/reward_mean"),
             "env_token_frac": count("env/num_env_tokens") / tokens if tokens else math.nan,
-            "tools": {k: count(k) for k in s if k.startswith("env/tool_")}}
+            "tools": {k: value(s, k) if k.endswith("_frac") else count(k) for k in s if k.startswith("env/tool_")}}

@@ -435,15 +435,25 @@ def loop_counts(trajs: list[Trajectory]) -> dict[str, float]:
     })
     keys = sorted({k for t in trajs for k in t.metadata})
     counts.update({f"env/{k}": sum(t.metadata.get(k, 0.0) for t in trajs) for k in keys})
+    if "tool_calls" in keys:  # a tool environment: how many trajectories called a tool at all
+        counts["env/num_with_tool_call"] = float(sum(t.metadata.get("tool_calls", 0.0) > 0 for t in trajs))
     return counts
 
 
 def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
-    """The logged metrics from (rank-summed) :func:`loop_counts`: sums become means where a mean is meant."""
+    """The logged metrics from (rank-summed) :func:`loop_counts`: sums become means where a mean is meant.
+
+    With tools: ``env/tool_call_frac`` (trajectories that made at least one call / all) and
+    ``env/tool_success_frac`` (calls answered without an error / calls; NaN without a call); the
+    counts per tool are ``env/tool_calls/<name>`` and ``env/tool_errors/<name>``."""
     out = dict(counts)
     n = max(out.pop("env/num_trajectories"), 1.0)
     out["env/turns_mean"] = out.pop("env/num_turns") / n
     out["env/reward_mean"] = out.pop("env/reward_sum") / n
+    if "env/num_with_tool_call" in out:  # will RL see tool use at all, and does it work when tried?
+        out["env/tool_call_frac"] = out["env/num_with_tool_call"] / n
+        calls = out.get("env/tool_calls", 0.0)
+        out["env/tool_success_frac"] = 1.0 - out.get("env/tool_errors", 0.0) / calls if calls else math.nan
     return out
 
 

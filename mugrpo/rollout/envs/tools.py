@@ -174,7 +174,7 @@ class ToolEnvironment(Environment):
         # counts it as "turn_limit", which "done" would hide.
         calls = parse_tool_calls(action)
         if not calls:
-            return StepResult([], 0.0, True, dict.fromkeys(COUNT_KEYS, 0))
+            return StepResult([], 0.0, True, self._zero_counts())
         contents, counts = self.call_tools(calls)
         observations = [{"role": "tool", "name": c.name or "unknown", "content": text}
                         for c, text in zip(calls, contents)]
@@ -182,15 +182,16 @@ class ToolEnvironment(Environment):
 
     def call_tools(self, calls: list[ToolCall]) -> tuple[list[str], dict]:
         """The text answering each call, and the counts (:data:`COUNT_KEYS`)."""
-        counts = dict.fromkeys(COUNT_KEYS, 0)
+        counts = self._zero_counts()
         counts["tool_calls"] = len(calls)
         contents: list[Optional[str]] = [None] * len(calls)
-        runnable = []
+        runnable, failed = [], set()
         for i, call in enumerate(calls):
             problem = self._check(call)
             if problem is not None:
                 counts[problem[0]] += 1
                 contents[i] = _error(problem[1])
+                failed.add(i)
             else:
                 runnable.append(i)
         fns = [self._by_name[calls[i].name] for i in runnable]
@@ -199,7 +200,9 @@ class ToolEnvironment(Environment):
         for i, outcome in zip(runnable, outcomes):
             if outcome.ok:
                 contents[i] = _result_text(outcome.value)
-            elif outcome.timed_out:
+                continue
+            failed.add(i)
+            if outcome.timed_out:
                 counts["tool_timeouts"] += 1
                 contents[i] = _error(f"tool {calls[i].name!r} did not return within {self.timeout_s:g} s")
             else:
@@ -208,7 +211,16 @@ class ToolEnvironment(Environment):
                 contents[i] = _error(f"{type(exc).__name__}: {exc}")
         counts["tool_errors"] = sum(counts[k] for k in ("tool_unknown", "tool_bad_args", "tool_exceptions",
                                                         "tool_timeouts"))
+        for i, call in enumerate(calls):  # per tool (a call to an unknown name counts in the totals only)
+            if call.name in self._by_name:
+                counts[f"tool_calls/{call.name}"] += 1
+                counts[f"tool_errors/{call.name}"] += i in failed
         return contents, counts
+
+    def _zero_counts(self) -> dict:
+        """:data:`COUNT_KEYS` and ``tool_calls/<name>`` / ``tool_errors/<name>`` of every tool, all 0."""
+        return {**dict.fromkeys(COUNT_KEYS, 0),
+                **{f"{key}/{name}": 0 for name in self._by_name for key in ("tool_calls", "tool_errors")}}
 
     def _check(self, call: ToolCall) -> Optional[tuple[str, str]]:
         """(count key, message) when ``call`` cannot run, else None."""
