@@ -474,13 +474,19 @@ def export_hf(policy, tokenizer, target: Path, world) -> None:
 
 
 class GracefulStop:
-    """SIGINT/SIGTERM set ``requested``; the loop finishes its update, checkpoints and stops.
+    """SIGINT/SIGTERM set ``requested``; the loop stops at its next safe point: an update is finished
+    and checkpointed, a stage being generated is discarded (the last checkpoint is its start; a
+    resume generates it again). The generation checks between the engine's decode steps (HF) or
+    finished prompts (vLLM), between turns, and after scoring (:mod:`mugrpo.training.generation`).
 
-    A second SIGINT restores the default handler's behaviour (KeyboardInterrupt) at once.
-    """
+    A second signal aborts at once: a second SIGINT raises KeyboardInterrupt (as Ctrl-C does
+    without this handler), a second SIGTERM ends the process by SIGTERM's default action, without
+    a checkpoint; ``--resume`` continues from the last complete one (``run_dir``: named in the
+    message)."""
 
-    def __init__(self):
+    def __init__(self, run_dir: Path | None = None):
         self.requested = False
+        self.run_dir = run_dir
         self._previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -489,11 +495,20 @@ class GracefulStop:
                 pass
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.requested:
+            resume = f": mugrpo train --resume {self.run_dir}" if self.run_dir is not None else ""
+            print(f"\n[mugrpo] second {name}: aborting at once, without a checkpoint; resume continues from the "
+                  f"last complete checkpoint{resume}", flush=True)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.requested = True
-        print(f"\n[mugrpo] {signal.Signals(signum).name} received: finishing the current update, then "
-              "checkpointing and stopping (Ctrl-C again to abort at once)", flush=True)
+        print(f"\n[mugrpo] {name} received: stopping at the next safe point (the current update is finished and "
+              "checkpointed; a stage being generated is discarded and generated again on resume). Send it again "
+              "(Ctrl-C again) to abort at once", flush=True)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
