@@ -68,6 +68,9 @@ class RunState:
     num_skipped_updates: int = 0
     elapsed_s: float = 0.0
     """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
+    stage_first_log_ratio: float | None = None
+    """The stage's first update's ``loss/log_ratio_abs_mean`` (its ``stage/engine_logprob_mismatch``),
+    kept so that a resume past that update still logs it; None before the stage's first update."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
@@ -295,7 +298,8 @@ def _full_state_dict(items) -> dict[str, torch.Tensor]:
 
 
 class DiskFullError(UserError, OSError):
-    """The disk filled up while a checkpoint was written; the message says nothing was lost."""
+    """The disk filled up while a checkpoint (or a stage's data) was written; the message says
+    nothing was lost and how to continue."""
 
 
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
@@ -307,7 +311,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
     try:
         return _save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s)
     except (OSError, RuntimeError) as exc:
-        cause = _write_failure(exc)
+        cause = write_failure(exc)
         if cause is None:
             raise
         if world.is_main:
@@ -324,7 +328,7 @@ _TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing", "file write failed"
 """torch.save's zip writer reports a failed write as a RuntimeError with one of these, and no errno."""
 
 
-def _write_failure(exc: BaseException) -> str | None:
+def write_failure(exc: BaseException) -> str | None:
     """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write); else None."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
