@@ -37,7 +37,7 @@ import torch
 
 from mugrpo.algo.adaptive import end_reason, stage_length
 from mugrpo.algo.losses import LossInputs, LossSettings, finalize_metrics, metric_template, policy_loss
-from mugrpo.config import Config
+from mugrpo.config import Config, ConfigError
 from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.errors import UserError
 from mugrpo.models import lora
@@ -192,6 +192,9 @@ class Trainer:
         policy, tokenizer, model_path = m.policy, m.tokenizer, m.model_path
         task = task or build_task(cfg.task)
         env_factory = build_env_factory(cfg.task, cfg.env, task)
+        if env_factory is None and cfg.task.reward_fn == "none":
+            raise ConfigError("task.reward_fn=none leaves nothing to score: it is for an environment that scores "
+                              "itself (task.env / task.tools); set task.env, or a task.reward_fn")
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
         parts = RolloutParts(engine, task, tokenizer, env_factory)
         progress = Progress(enabled=cfg.train.progress and world.is_main)
