@@ -79,3 +79,30 @@ def test_a_second_sigterm_aborts_at_once_and_the_run_still_resumes(tmp_path, tin
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ".tmp-ckpt_000003" in resumed.stdout
     _assert_same_run(one_call_reference, run_dir)
+
+
+MULTI_TURN = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def env_reference(tmp_path_factory, tiny_model_dir):
+    from test_resume import _cmd as plain_cmd
+
+    run_dir = tmp_path_factory.mktemp("env_ref") / "run"
+    r = _run(plain_cmd(run_dir, tiny_model_dir, *MULTI_TURN))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run_dir, plain_cmd
+
+
+def test_sigterm_inside_a_multi_turn_policy_turn_stops_there_and_the_resume_is_bitwise(tmp_path, tiny_model_dir,
+                                                                                       env_reference):
+    # Stage 0, inside the first policy turn's engine call (decode step 3): the trajectories so far
+    # (their environments closed) are discarded and the stage is rolled out again on resume.
+    reference, plain_cmd = env_reference
+    run_dir = tmp_path / "run"
+    stopped = _run(plain_cmd(run_dir, tiny_model_dir, *MULTI_TURN), stop_at="decode:3")
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    assert not list((run_dir / "stages").glob("stage_*/shards.json"))
+    resumed = _resume(run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_same_run(reference, run_dir)
