@@ -14,6 +14,7 @@
 
 A supervised warm start alone: ``mugrpo.sft({"warmstart.epochs": 2}, data="demos.jsonl", run_dir=...)``;
 with ``warmstart.data`` set, :func:`train` runs one first, in ``RUN_DIR/warmstart/`` (docs/WARMSTART.md).
+``mugrpo.evaluate(model, tasks, ...)`` mirrors ``mugrpo eval`` and returns its report.
 
 The run directory is the one ``mugrpo train`` writes (config.yaml, metrics.jsonl, stages/,
 checkpoints/, final_model/). What a config file cannot hold is recorded in config.yaml by name: a
@@ -165,6 +166,59 @@ def sft(config: ConfigLike = None, *, data: Union[str, Path, None] = None, prese
             validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg, "sft")
     return TrainResult(run_dir, run_sft(cfg, run_dir, resume=resume))
+
+
+EVAL_OPTIONS = {"k": "--k", "n": "--n", "temperature": "--temperature", "top_p": "--top-p",
+                "max_new_tokens": "--max-new-tokens", "num_items": "--num-items", "engine": "--engine",
+                "seed": "--seed", "config": "--config"}
+""":func:`evaluate`'s options and the ``mugrpo eval`` flags they are (``greedy=False``: ``--no-greedy``)."""
+
+
+def evaluate(model: Union[str, Path], tasks: Union[str, list[str], None] = None, *,
+             overrides: Union[dict, list[str], None] = None, out: Union[str, Path, None] = None,
+             samples: Union[str, Path, None] = None, **options) -> dict:
+    """Evaluate a model or a run, as ``mugrpo eval`` does (docs/EVALUATION.md); returns the report
+    (``tasks``: each task's metrics, ``overall``: their mean, ``settings``), also printed as the table.
+
+    - ``model``: an HF folder or hub id, a run directory, or one of its checkpoints.
+    - ``tasks``: ``mugrpo eval --task`` specs (default ``train``: the run's own held-out items).
+    - ``overrides``: ``{"env.max_turns": 5}`` or ``["env.max_turns=5"]``: ``task.*``, ``env.*``,
+      ``rollout.*``, ``model.*`` and ``train.threads``, as the command's ``key=value``.
+    - ``out`` / ``samples``: the command's ``--out`` (JSON report) and ``--samples`` (every response;
+      with an environment the whole trajectory).
+    - ``options``: ``k`` (an int, a list or "1,8"), ``n``, ``greedy`` (False: no greedy response),
+      ``temperature``, ``top_p``, ``max_new_tokens``, ``num_items``, ``engine``, ``seed``, ``config``.
+    """
+    import argparse
+
+    from mugrpo.evaluation import cli as eval_cli
+
+    argv = ["--model", str(model)]
+    for spec in [tasks] if isinstance(tasks, str) else (tasks or []):
+        argv += ["--task", str(spec)]
+    if not options.pop("greedy", True):
+        argv.append("--no-greedy")
+    for key, value in options.items():
+        if key not in EVAL_OPTIONS:
+            raise ConfigError(f"mugrpo.evaluate: unknown option {key!r}; accepted: greedy, "
+                              f"{', '.join(EVAL_OPTIONS)} (and overrides=, out=, samples=)")
+        if value is not None:
+            shown = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+            argv += [EVAL_OPTIONS[key], shown]
+    for flag, path in (("--out", out), ("--samples", samples)):
+        if path is not None:
+            argv += [flag, str(path)]
+    if isinstance(overrides, dict):
+        overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()]
+    argv += list(overrides or [])
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):  # a ConfigError naming the option, not SystemExit
+            raise ConfigError(f"mugrpo.evaluate: {message}")
+
+    parser = Parser(prog="mugrpo.evaluate")
+    eval_cli.add_arguments(parser)
+    return eval_cli.run_eval(parser.parse_args(argv))
 
 
 def _set_rewards(cfg: Config, funcs, weights) -> None:

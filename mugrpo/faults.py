@@ -2,9 +2,12 @@
 
 ``MUGRPO_DIE_AT="point:n"`` makes the process SIGKILL itself the n-th time (1-based) it passes
 ``point``; ``MUGRPO_STOP_AT="point:n"`` sends it SIGTERM there instead (a graceful stop that lands
-exactly where the test says, whatever the machine's load). Points: ``generate`` (after a generation
-batch), ``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer
-update, before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename),
+exactly where the test says, whatever the machine's load); several, comma-separated
+(``update:3,checkpoint_write:2``: a second SIGTERM inside the checkpoint the first one asked for).
+Points: ``generate`` (after a generation batch, or a multi-turn turn in which a trajectory ended),
+``decode`` (the HF engine's heartbeat after each decode step, or a turn in which none ended),
+``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer update,
+before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename),
 ``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`).
 Unset in normal use; reading one environment variable is the whole cost.
 """
@@ -22,12 +25,12 @@ def maybe_die(point: str) -> None:
         spec = os.environ.get(variable)
         if not spec:
             continue
-        name, _, nth = spec.partition(":")
-        if name != point:
+        nths = [int(nth or 1) for name, _, nth in (s.partition(":") for s in spec.split(",")) if name == point]
+        if not nths:
             continue
         key = f"{variable}:{point}"
         _counts[key] = _counts.get(key, 0) + 1
-        if _counts[key] == int(nth or 1):
+        if _counts[key] in nths:
             os.kill(os.getpid(), sig)
 
 

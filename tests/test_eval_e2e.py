@@ -128,7 +128,7 @@ def test_eval_cli_user_errors_exit_2(runs, capsys):
     assert main(["eval", "--model", str(runs["mu"]), "--k", "4", "--n", "2"]) == 2
     assert "n >= k" in capsys.readouterr().err
     assert main(["eval", "--model", str(runs["mu"]), "optim.lr=1"]) == 2
-    assert "task.*, rollout.*" in capsys.readouterr().err
+    assert "task.*, env.*, rollout.*" in capsys.readouterr().err
     # prompt budget + new tokens past the tiny model's 1,024 positions: refused before the engine starts
     assert main(["eval", "--model", str(runs["mu"]), "--max-new-tokens", "4000"]) == 2
     err = capsys.readouterr().err

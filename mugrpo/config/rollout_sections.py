@@ -74,7 +74,9 @@ class TaskConfig:
     answer_key: str = "answer"
     reward_fn: Optional[str] = None
     """``module:function`` called as ``f(completion: str, answer: str, item: dict) -> float``;
-    replaces the task's own scorer. For several rewards use ``task.rewards``."""
+    replaces the task's own scorer. For several rewards use ``task.rewards``. ``none``: no task
+    reward, for an environment that scores itself (its step rewards are the whole reward; refused
+    without ``task.env`` / ``task.tools``)."""
     rewards: list = field(default_factory=list)
     """Several rewards, summed with weights: ``[{fn, weight, name}]``. ``fn`` is a built-in
     (``correctness``: the task's own checker; ``math_verify``; ``boxed_format``: 1 if there is a
@@ -112,8 +114,9 @@ class TaskConfig:
         # A per-call limit of inf makes setitimer raise on every call, so every reward would score 0.
         check(0 < self.reward_timeout_s < math.inf, "task.reward_timeout_s", "a finite number of seconds > 0",
                self.reward_timeout_s)
-        if self.reward_fn is not None:
-            check(":" in self.reward_fn, "task.reward_fn", "'module:function'", self.reward_fn)
+        if self.reward_fn is not None:  # none: an environment that scores itself (checked where it is built)
+            check(":" in self.reward_fn or self.reward_fn == "none", "task.reward_fn",
+                  "'module:function', or none (an environment that scores itself)", self.reward_fn)
         _validate_rewards(self)
         _validate_env(self)
         for i, shot in enumerate(self.few_shot):

@@ -4,8 +4,9 @@
 ``final_model``, with the run's own prompt format and task) or one of its checkpoints
 (``RUN_DIR/checkpoints/ckpt_*``: the run's base model with the checkpoint's weights pushed into
 the engine). Task specs are described in :mod:`mugrpo.evaluation.sets`. ``key=value`` overrides of
-``task.*`` (prompt format, scorer) and ``rollout.*`` (engine batch size, dtype, vLLM knobs) apply
-on top of the run's config (or the defaults).
+``task.*`` (prompt format, scorer), ``env.*`` (e.g. ``env.max_turns``), ``rollout.*`` (engine batch
+size, dtype, vLLM knobs), ``model.*`` and ``train.threads`` apply on top of the run's config (or
+the defaults).
 
 Reported per task and overall (the unweighted mean over tasks, as the paper's average column):
 greedy accuracy, avg@n and unbiased pass@k (:mod:`mugrpo.evaluation.metrics`).
@@ -25,6 +26,11 @@ from mugrpo.rollout.engines import ENGINES
 from mugrpo.observability.loggers import json_safe
 
 
+EVAL_OVERRIDES = ("task.", "env.", "rollout.", "model.")
+"""Sections ``mugrpo eval`` takes ``key=value`` overrides of (and ``train.threads``); ``env.*``: e.g.
+``env.max_turns``, the turns a model trained with more than the default 4 should be evaluated with."""
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True,
                    help="HF model folder or hub id, built-in alias, run directory, or RUN_DIR/checkpoints/ckpt_*")
@@ -41,13 +47,22 @@ def add_arguments(p) -> None:
     p.add_argument("--num-items", type=int, default=None, help="evaluate the first N items of each task")
     p.add_argument("--engine", choices=("auto", *ENGINES.names()), default=None, help="default: rollout.engine")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--config", help="YAML file of task.*/rollout.* overrides")
+    p.add_argument("--config", help="YAML file of task.*/env.*/rollout.* overrides")
     p.add_argument("--out", help="write the results as JSON here (default: RUN_DIR/eval/<time>.json for a run)")
-    p.add_argument("--samples", help="also write every response (task, item, mode, text, score) to this jsonl")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="task.* / rollout.* overrides, e.g. task.few_shot=[]")
+    p.add_argument("--samples", help="also write every response (task, item, mode, text, score; with an "
+                                     "environment the whole trajectory: turns, end, env_reward) to this jsonl")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="task.* / env.* / rollout.* / model.* / train.threads overrides, e.g. env.max_turns=5")
 
 
 def run(args) -> int:
+    run_eval(args)
+    return 0
+
+
+def run_eval(args) -> dict:
+    """Evaluate as ``mugrpo eval`` does (print the table, write ``--out`` / ``--samples``); returns the
+    report (``tasks``, ``overall``, ``settings``; :func:`mugrpo.evaluate` returns it to Python)."""
     from mugrpo.evaluation.sets import resolve, split_specs
     from mugrpo.evaluation.metrics import macro_average
     from mugrpo.evaluation.evaluate import EnvEval, generate_and_score, render_prompts, summarize_generations
@@ -56,6 +71,10 @@ def run(args) -> int:
 
     source = resolve_model(args.model)
     cfg = _config(source, args)
+    if cfg.train.threads:  # as training sets them (a CPU evaluation beside other jobs)
+        import torch
+
+        torch.set_num_threads(cfg.train.threads)
     settings = _settings(args, cfg)
     out = args.out or (Path(source["run_dir"]) / "eval" / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
                        if source["run_dir"] else None)
@@ -113,7 +132,7 @@ def run(args) -> int:
             for row in samples:
                 fh.write(json.dumps(row) + "\n")
         print(f"[mugrpo] {len(samples)} responses written to {args.samples}")
-    return 0
+    return report
 
 
 def _check_writable_file(path: Path, flag: str) -> None:
@@ -169,8 +188,9 @@ def _config(source: dict, args):
     """The run's config (or defaults, or --config), then key=value overrides of task.* / rollout.*."""
     for text in args.overrides:
         key = parse_override(text)[0]
-        if not key.startswith(("task.", "rollout.", "model.")):
-            raise ConfigError(f"mugrpo eval takes task.*, rollout.* and model.* overrides only; got {key!r}")
+        if not (key.startswith(EVAL_OVERRIDES) or key == "train.threads"):
+            raise ConfigError(f"mugrpo eval takes task.*, env.*, rollout.*, model.* and train.threads overrides "
+                              f"only; got {key!r}")
     if source["saved"] is None:
         return load_config(None, args.config, args.overrides)
     cfg = from_dict(source["saved"])
@@ -247,8 +267,14 @@ def _bar(total: int, name: str):
     return advance
 
 
+ENV_SCORES = {"greedy_reward_mean": "reward", "greedy_env_reward_mean": "env_reward",
+              "greedy_solved_frac": "solved%", "sample_reward_mean": "s.reward",
+              "sample_env_reward_mean": "s.env_reward", "sample_solved_frac": "s.solved%"}
+"""With an environment: the table's labels of its reward and solved rate (evaluation.evaluate)."""
+
+
 def _is_score(key: str) -> bool:
-    return key.startswith(("greedy_acc", "avg_at_", "pass_at_"))
+    return key.startswith(("greedy_acc", "avg_at_", "pass_at_")) or key in ENV_SCORES
 
 
 def format_table(results: dict[str, dict], overall: dict[str, float]) -> str:
@@ -257,12 +283,12 @@ def format_table(results: dict[str, dict], overall: dict[str, float]) -> str:
     header = ["task", "items"] + [_label(k) for k in score_keys] + ["len", "trunc%", "tok/s", "s"]
     rows = []
     for name, m in results.items():
-        rows.append([name, str(m["num_items"])] + [_pct(m.get(k)) for k in score_keys]
+        rows.append([name, str(m["num_items"])] + [_cell(k, m.get(k)) for k in score_keys]
                     + [f"{m['response_len_mean']:.1f}", _pct(m["truncated_frac"]), f"{m['tok_s']:.0f}",
                        f"{m['eval_s']:.1f}"])
     if len(results) > 1:
         rows.append(["overall (mean)", str(sum(m["num_items"] for m in results.values()))]
-                    + [_pct(overall.get(k)) for k in score_keys] + ["", "", "", ""])
+                    + [_cell(k, overall.get(k)) for k in score_keys] + ["", "", "", ""])
     widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in [header] + rows]
@@ -275,10 +301,19 @@ def _score_order(key: str):
 
 
 def _label(key: str) -> str:
+    if key in ENV_SCORES:
+        return ENV_SCORES[key]
     if key == "greedy_acc":
         return "greedy%"
     prefix, _, k = key.rpartition("_")
     return f"{prefix.replace('_at', '')}@{k}%"
+
+
+def _cell(key: str, value) -> str:
+    """Scores in percent; an environment's rewards (any scale) as they are."""
+    if key in ENV_SCORES and not ENV_SCORES[key].endswith("%"):
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.3f}"
+    return _pct(value)
 
 
 def _pct(value) -> str:

@@ -13,8 +13,12 @@ trainer's RNG (engines fork it), so evaluating does not change the training run.
 
 With an environment (``task.env`` / ``task.tools``: :class:`EnvEval`), each response is a
 multi-turn trajectory (:mod:`mugrpo.rollout.multiturn`, the prompts rendered by the environment
-with its tools) and the task scores its final policy turn; the loop's counts are reported as
-``env/*`` (e.g. ``eval/env/tool_calls``).
+with its tools) and the task scores its final policy turn (``greedy_acc``, ``avg_at_n``,
+``pass_at_k``: the task's score only); the environment's reward is reported beside it per mode
+(``greedy_env_reward_mean``), with the reward training optimises (task score + environment reward,
+``greedy_reward_mean``) and the fraction of trajectories whose reward reaches ``correct_at``
+(``greedy_solved_frac``; ``sample_*`` likewise); the loop's counts are reported as ``env/*`` (e.g.
+``eval/env/tool_calls``).
 
 The metric math lives in :mod:`mugrpo.evaluation.metrics`; which items to evaluate in
 :mod:`mugrpo.evaluation.sets`. Scoring is the task's own (:meth:`mugrpo.rollout.tasks.Task.score_all`).
@@ -68,6 +72,11 @@ class Generations:
     generate_s: float = 0.0
     env_counts: dict[str, float] = field(default_factory=dict)
     """With an environment: :func:`mugrpo.rollout.multiturn.loop_counts` summed over the modes."""
+    env_rewards: dict[str, list[float]] = field(default_factory=dict)
+    """With an environment, per mode (``greedy``, ``sample``): each response's environment reward."""
+    rewards: dict[str, list[float]] = field(default_factory=dict)
+    """With an environment, per mode: each response's reward as training counts it (the task's score
+    of the final turn plus the environment's reward)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,9 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
     """Greedy and/or n sampled responses per item, scored by ``task`` (``env``: multi-turn
     trajectories; ``prompts`` are then the environment's, rendered here)."""
     out = Generations()
+    if env is not None:  # the same keys on every rank, also one without items (gathered by the trainer)
+        modes = ["greedy"] * settings.greedy + ["sample"] * bool(settings.n)
+        out.env_rewards, out.rewards = {m: [] for m in modes}, {m: [] for m in modes}
     if not items:
         out.greedy = [] if settings.greedy else None
         out.samples = [] if settings.n else None
@@ -118,10 +130,14 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
                                               top_k=0, max_new_tokens=settings.max_new_tokens, seed=settings.seed)))
     for mode, sampling in runs:
         t0 = time.perf_counter()
-        texts, lengths, truncated = _responses(engine, tokenizer, items, prompts, sampling, progress, env, out)
+        texts, lengths, truncated, trajs = _responses(engine, tokenizer, items, prompts, sampling, progress, env,
+                                                      out)
         out.generate_s += time.perf_counter() - t0
         repeated = [item for item in items for _ in range(sampling.n)]
         scores, _ = task.score_eval(texts, repeated)
+        if trajs is not None:
+            out.env_rewards[mode] = [t.env_reward for t in trajs]
+            out.rewards[mode] = [float(x) + t.env_reward for x, t in zip(scores.tolist(), trajs)]
         per_item = scores.view(len(items), sampling.n).tolist()
         if mode == "greedy":
             out.greedy = [row[0] for row in per_item]
@@ -130,24 +146,43 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
         out.lengths += lengths
         out.truncated += truncated
         if settings.keep_text:
-            out.records += [{"item": i // sampling.n, "mode": mode, "text": text, "score": float(score)}
+            out.records += [{"item": i // sampling.n, "mode": mode, "text": text, "score": float(score),
+                             **({} if trajs is None else trajectory_record(trajs[i], tokenizer))}
                             for i, (text, score) in enumerate(zip(texts, scores.tolist()))]
     return out
 
 
+def trajectory_record(t, tokenizer) -> dict:
+    """A trajectory, whole, for ``mugrpo eval --samples``: its turns in reading order (``{"role":
+    "policy", "turn": k, "text"}`` for what the policy sampled, ``{"role": "environment", "text"}``
+    for what the environment appended: tool calls and their results are both visible), how it
+    ended, its policy turns and its environment reward. ``text`` (beside it) stays the final policy
+    turn, what the task scores."""
+    turns, start = [], 0
+    for end in range(1, len(t.turns) + 1):
+        if end == len(t.turns) or t.turns[end] != t.turns[start]:
+            k = t.turns[start]
+            text = tokenizer.decode(t.response_ids[start:end], skip_special_tokens=False)
+            turns.append({"role": "policy", "turn": k, "text": text} if k >= 0 else {"role": "environment",
+                                                                                      "text": text})
+            start = end
+    return {"turns": turns, "end": t.end_reason, "num_turns": t.num_turns, "env_reward": t.env_reward}
+
+
 def _responses(engine, tokenizer, items, prompts, sampling, progress, env: Optional[EnvEval], out: Generations
-               ) -> tuple[list[str], list[int], list[bool]]:
-    """(texts to score, response lengths, truncated flags), sampling.n per item, item-major."""
+               ) -> tuple[list[str], list[int], list[bool], Optional[list]]:
+    """(texts to score, response lengths, truncated flags, the trajectories or None), sampling.n per
+    item, item-major."""
     if env is None:
         flat = [c for group in engine.generate(prompts, sampling, progress=progress) for c in group]
         return ([tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
-                [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat])
+                [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat], None)
     ctx = LoopContext(engine, tokenizer, env.limits, env.task_cfg)
     _, _, trajs = roll_out_items(ctx, env.factory, items, sampling, reset_seed=sampling.seed, progress=progress)
     for key, value in loop_counts(trajs).items():
         out.env_counts[key] = out.env_counts.get(key, 0.0) + value
     return ([t.final_text for t in trajs], [sum(1 for k in t.turns if k >= 0) for t in trajs],
-            [t.truncated for t in trajs])
+            [t.truncated for t in trajs], trajs)
 
 
 def summarize_generations(gen: Generations, settings: EvalSettings) -> dict[str, float]:
@@ -159,4 +194,10 @@ def summarize_generations(gen: Generations, settings: EvalSettings) -> dict[str,
     metrics["truncated_frac"] = sum(gen.truncated) / len(gen.truncated) if gen.truncated else float("nan")
     if gen.env_counts:  # multi-turn: how trajectories ended, turns, tool counts (env/*)
         metrics.update(finalize_counts(gen.env_counts))
+    for mode, rewards in gen.rewards.items():  # with an environment: its reward, and the run's reward
+        env_rewards = gen.env_rewards[mode]
+        metrics[f"{mode}_env_reward_mean"] = sum(env_rewards) / len(env_rewards) if env_rewards else float("nan")
+        metrics[f"{mode}_reward_mean"] = sum(rewards) / len(rewards) if rewards else float("nan")
+        metrics[f"{mode}_solved_frac"] = (sum(r >= settings.correct_at for r in rewards) / len(rewards)
+                                          if rewards else float("nan"))
     return metrics

@@ -242,9 +242,11 @@ def run_trajectories(ctx: LoopContext, prompts: list[list[int]], envs: list[Envi
     sampling = dataclasses.replace(sampling, stop=_shared_stop(envs))
     eos = ctx.eos_ids()
     turn = 0
+    # Inside a turn the engine's own calls are heartbeats only (progress(0)): the caller may stop there.
+    beat = None if progress is None else (lambda n: progress(0))
     while any(t.active for t in trajs):
         active = [t for t in trajs if t.active]
-        completions = _policy_turn(ctx.engine, active, sampling, limits, turn, G if turn == 0 else 1)
+        completions = _policy_turn(ctx.engine, active, sampling, limits, turn, G if turn == 0 else 1, beat)
         stepping = [t for t, c in zip(active, completions) if _take_policy_turn(t, c, turn, ctx.text)]
         maybe_die("turn")
         _environment_turn(stepping, limits, ctx.env_turn_ids, eos)
@@ -263,8 +265,9 @@ def _shared_stop(envs: list[Environment]) -> tuple[str, ...]:
 
 
 def _policy_turn(engine, active: list[Trajectory], sampling: SamplingConfig, limits: LoopLimits, turn: int,
-                 n: int) -> list[Completion]:
-    """One engine call for every active trajectory; turn 0 samples n = G per prompt."""
+                 n: int, beat=None) -> list[Completion]:
+    """One engine call for every active trajectory; turn 0 samples n = G per prompt. ``beat``: the
+    engine's progress callback (called with 0 only)."""
     seed = derive(sampling.seed, "multiturn-turn", turn)
     per_turn = dataclasses.replace(sampling, n=n, seed=seed)
     heads = active[::n]  # turn 0: the first trajectory of each group; later: all (n = 1)
@@ -272,7 +275,7 @@ def _policy_turn(engine, active: list[Trajectory], sampling: SamplingConfig, lim
         sampling.max_new_tokens, limits.max_tokens_per_turn)
     caps = [min(per_turn_cap, t.room(limits)) for t in heads]
     prompts = [t.prompt_ids + t.response_ids for t in heads]
-    out = engine.generate(prompts, per_turn, max_new_tokens=caps)
+    out = engine.generate(prompts, per_turn, progress=beat, max_new_tokens=caps)
     return [c for group in out for c in group]
 
 

@@ -132,7 +132,8 @@ def rows_source(task_cfg):
 def _rewards(task_cfg, correctness) -> tuple[list[RewardFn], Optional[int]]:
     """The reward functions (``task.rewards``, else ``task.reward_fn``, else correctness) and the index
     of the one evaluation scores with (correctness, when among several), or None for their sum."""
-    builtins = {"correctness": correctness, "math_verify": _math_verify, "boxed_format": _boxed_format}
+    builtins = {"correctness": correctness, "math_verify": _math_verify, "boxed_format": _boxed_format,
+                NO_TASK_REWARD: _no_task_reward}
     specs = task_cfg.rewards or [{"fn": task_cfg.reward_fn or "correctness"}]
     rewards = [make_reward(spec["fn"], float(spec.get("weight", 1.0)), spec.get("name"), builtins) for spec in specs]
     names = [r.name for r in rewards]
@@ -383,6 +384,16 @@ def _math_verify(text: str, item: Item) -> float:
     if answer is None:
         return 0.0
     return float(verify(parse(gold_latex(item.answer)), parse(f"\\boxed{{{answer}}}")))
+
+
+NO_TASK_REWARD = "none"
+"""``task.reward_fn=none``: the task scores nothing, for an environment that scores itself (its step
+rewards are the whole reward; docs/ENVIRONMENTS.md). Refused without an environment."""
+
+
+def _no_task_reward(text: str, item: Item) -> float:
+    """0 for every response: the environment's reward is the trajectory's whole reward."""
+    return 0.0
 
 
 def _boxed_format(text: str, item: Item) -> float:

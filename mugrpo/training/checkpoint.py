@@ -68,6 +68,9 @@ class RunState:
     num_skipped_updates: int = 0
     elapsed_s: float = 0.0
     """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
+    stage_first_log_ratio: float | None = None
+    """The stage's first update's ``loss/log_ratio_abs_mean`` (its ``stage/engine_logprob_mismatch``),
+    kept so that a resume past that update still logs it; None before the stage's first update."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
@@ -297,7 +300,8 @@ def _full_state_dict(items) -> dict[str, torch.Tensor]:
 
 
 class DiskFullError(UserError, OSError):
-    """The disk filled up while a checkpoint was written; the message says nothing was lost."""
+    """The disk filled up while a checkpoint (or a stage's data) was written; the message says
+    nothing was lost and how to continue."""
 
 
 def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
@@ -309,7 +313,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
     try:
         return _save(run_dir, policy, optimizer, scheduler, state, cfg, world, elapsed_s)
     except (OSError, RuntimeError) as exc:
-        cause = _write_failure(exc)
+        cause = write_failure(exc)
         if cause is None:
             raise
         if world.is_main:
@@ -326,7 +330,7 @@ _TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing", "file write failed"
 """torch.save's zip writer reports a failed write as a RuntimeError with one of these, and no errno."""
 
 
-def _write_failure(exc: BaseException) -> str | None:
+def write_failure(exc: BaseException) -> str | None:
     """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write); else None."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
@@ -476,13 +480,19 @@ def export_hf(policy, tokenizer, target: Path, world) -> None:
 
 
 class GracefulStop:
-    """SIGINT/SIGTERM set ``requested``; the loop finishes its update, checkpoints and stops.
+    """SIGINT/SIGTERM set ``requested``; the loop stops at its next safe point: an update is finished
+    and checkpointed, a stage being generated is discarded (the last checkpoint is its start; a
+    resume generates it again). The generation checks between the engine's decode steps (HF) or
+    finished prompts (vLLM), between turns, and after scoring (:mod:`mugrpo.training.generation`).
 
-    A second SIGINT restores the default handler's behaviour (KeyboardInterrupt) at once.
-    """
+    A second signal aborts at once: a second SIGINT raises KeyboardInterrupt (as Ctrl-C does
+    without this handler), a second SIGTERM ends the process by SIGTERM's default action, without
+    a checkpoint; ``--resume`` continues from the last complete one (``run_dir``: named in the
+    message)."""
 
-    def __init__(self):
+    def __init__(self, run_dir: Path | None = None):
         self.requested = False
+        self.run_dir = run_dir
         self._previous = {}
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
@@ -491,11 +501,20 @@ class GracefulStop:
                 pass
 
     def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.requested:
+            resume = f": mugrpo train --resume {self.run_dir}" if self.run_dir is not None else ""
+            print(f"\n[mugrpo] second {name}: aborting at once, without a checkpoint; resume continues from the "
+                  f"last complete checkpoint{resume}", flush=True)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.requested = True
-        print(f"\n[mugrpo] {signal.Signals(signum).name} received: finishing the current update, then "
-              "checkpointing and stopping (Ctrl-C again to abort at once)", flush=True)
+        print(f"\n[mugrpo] {name} received: stopping at the next safe point (the current update is finished and "
+              "checkpointed; a stage being generated is discarded and generated again on resume). Send it again "
+              "(Ctrl-C again) to abort at once", flush=True)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

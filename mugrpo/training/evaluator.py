@@ -139,6 +139,8 @@ def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:
 
     # Every rank joins (a rank may have no items, hence no counts); {} when no rank evaluated through an env.
     out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts))
+    out.env_rewards = {mode: cat(values).tolist() for mode, values in gen.env_rewards.items()}
+    out.rewards = {mode: cat(values).tolist() for mode, values in gen.rewards.items()}
     if gen.greedy is not None:
         out.greedy = cat(gen.greedy).tolist()
     if gen.samples is not None:

@@ -70,10 +70,13 @@ class RoundGenerator:
         label = f"stage {stage} generate" + (f" (round {round_index})" if r.dynamic_sampling else "")
         bar = self.progress.bar(len(indices) * G, label, unit="seq")
 
-        def on_batch(n: int) -> None:
+        def on_batch(n: int) -> None:  # n = 0: a decode step's heartbeat (the HF engine), or a turn
             self.progress.advance(bar, n)
-            maybe_die("generate")
-            if stopper is not None and stopper.requested:  # the last checkpoint is this stage's start
+            maybe_die("generate" if n else "decode")
+            stop_if_requested()
+
+        def stop_if_requested() -> None:  # the stage is discarded: the last checkpoint is this stage's start
+            if stopper is not None and stopper.requested:
                 raise ckpt.Interrupted(self.run_dir.path)
 
         reset_seed = seeds.env_reset(self.cfg.train.seed, stage, self.world.rank, round_index)
@@ -81,6 +84,7 @@ class RoundGenerator:
         self.progress.close(bar)
         t_gen = time.perf_counter()
         data, record = score_batch(batch, self.task, G, self.cfg.loss, self.reward_names())
+        stop_if_requested()  # a stop during scoring: not worth an update and a checkpoint first
         record.update({"num_prompts": len(batch.prompts), "num_drawn": len(drawn), "generate_s": t_gen - t0,
                        "score_s": time.perf_counter() - t_gen})
         if batch.env_counts is not None:  # this rank's, summed over rounds and then ranks by GeneratedStages

@@ -42,6 +42,10 @@ MATCH_KEYS = {
     "task.env": "the environment: the stored trajectories interleave its turns",
     "task.env_args": "the environment: the stored trajectories interleave its turns",
     "task.tools": "the tools: the prompt describes them and the trajectories call them",
+    "task.rewards": "the rewards: a replay trains on the source's stored rewards and advantages and never "
+                    "scores again, so another reward would be silently ignored",
+    "task.reward_fn": "the reward: a replay trains on the source's stored rewards and advantages and never "
+                      "scores again, so another reward would be silently ignored",
     "loss.adv_std_scale": "the stored advantages were computed with it",
     "loss.adv_eps": "the stored advantages were computed with it",
     "loss.drop_zero_var_groups": "the stored stage data was filtered with it",

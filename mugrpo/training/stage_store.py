@@ -15,8 +15,9 @@ from typing import Callable, Optional
 import torch
 
 from mugrpo.algo.advantages import zero_variance_groups
-from mugrpo.run_dir import RunDir
+from mugrpo.run_dir import SHARDS_FILE, RunDir
 from mugrpo.training import distributed as dist
+from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import rounds, tis
 from mugrpo.training.data import StageData
 
@@ -44,12 +45,33 @@ class StageStore:
     def save(self, stage_dir: Path, data: StageData, metrics: dict) -> None:
         """The generation metrics first, then this rank's shard (the stage counts as generated once
         every shard is written); then the finished rounds go, and the readable text is written."""
-        if self.world.is_main:
-            self.run_dir.write_stage_metrics(stage_dir, metrics)
-        dist.save_stage_shard(data, stage_dir, self.world)
-        rounds.remove_rounds(stage_dir)
-        if self.write_text is not None:
-            self.write_text(self.run_dir.stage_text(stage_dir, self.world), data)
+        try:
+            if self.world.is_main:
+                self.run_dir.write_stage_metrics(stage_dir, metrics)
+            dist.save_stage_shard(data, stage_dir, self.world)
+            rounds.remove_rounds(stage_dir)
+            if self.write_text is not None:
+                self.write_text(self.run_dir.stage_text(stage_dir, self.world), data)
+        except OSError as exc:
+            cause = ckpt.write_failure(exc)
+            if cause is None:
+                raise
+            raise self._disk_full(stage_dir, cause, exc) from exc
+
+
+    def _disk_full(self, stage_dir: Path, cause: str, exc: OSError) -> ckpt.DiskFullError:
+        """A full disk while the stage was written: its completion marker was not, so nothing half-written
+        is ever read back; the resume generates the stage again from the last checkpoint."""
+        run = self.run_dir.path
+        last = sorted(self.run_dir.checkpoints.glob("ckpt_*"))
+        start = f"the last checkpoint, {last[-1].name}" if last else "the initial weights (no checkpoint yet)"
+        if (Path(stage_dir) / SHARDS_FILE).is_file():  # only the readable text (or the rounds' removal) failed
+            lost = "the stage's data is complete (its readable rollouts.jsonl may be missing) and a resume trains on it"
+        else:
+            lost = f"the stage is not marked complete, so a resume generates it again from {start}"
+        return ckpt.DiskFullError(
+            f"{cause} while writing the stage data in {stage_dir} ({exc}). Nothing was lost: {lost}. Free some "
+            f"space, then continue with: mugrpo train --resume {run}")
 
 
 def stage_stats(data: StageData, world) -> dict:

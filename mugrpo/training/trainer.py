@@ -36,7 +36,7 @@ import torch
 
 from mugrpo.algo.adaptive import end_reason, stage_length
 from mugrpo.algo.losses import LossInputs, LossSettings, finalize_metrics, metric_template, policy_loss
-from mugrpo.config import Config
+from mugrpo.config import Config, ConfigError
 from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.models import lora
 from mugrpo.observability.loggers import NullLogger, make_logger
@@ -110,7 +110,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             if source is not None and world.is_main:
                 replay_mod.record_source(rd.path, source)
         trainer.start()
-        stopper = ckpt.GracefulStop()
+        stopper = ckpt.GracefulStop(rd.path)
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
         while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             data, stage_metrics = trainer.source.stage(trainer.state, stopper)
@@ -123,7 +123,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
         return trainer.finish()
     except Exception as exc:
         # The run dir is this run's own (locked, found empty); an interrupted run keeps it, to be resumed.
-        failed_new_run = not (resume or isinstance(exc, ckpt.Interrupted)) and lock is not None
+        failed_new_run = not (resume or isinstance(exc, (ckpt.Interrupted, ckpt.DiskFullError))) and lock is not None
         raise
     finally:
         for close in (stopper and stopper.restore, trainer and trainer.close, lock and lock.close):
@@ -193,6 +193,9 @@ class Trainer:
         policy, tokenizer, model_path = m.policy, m.tokenizer, m.model_path
         task = task or build_task(cfg.task)
         env_factory = build_env_factory(cfg.task, cfg.env, task)
+        if env_factory is None and cfg.task.reward_fn == "none":
+            raise ConfigError("task.reward_fn=none leaves nothing to score: it is for an environment that scores "
+                              "itself (task.env / task.tools); set task.env, or a task.reward_fn")
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
         parts = RolloutParts(engine, task, tokenizer, env_factory)
         progress = Progress(enabled=cfg.train.progress and world.is_main)
@@ -251,8 +254,9 @@ class Trainer:
             state.update_in_stage += 1
             metrics.update({"perf/update_s": time.perf_counter() - t_update,
                             "stage/staleness": state.update_in_stage - 1})
-            if state.update_in_stage == 1:  # with trainer log-probs: set at stage start (mugrpo.training.tis)
-                stage_metrics.setdefault("stage/engine_logprob_mismatch", metrics.get("loss/log_ratio_abs_mean"))
+            if state.update_in_stage == 1:  # in the checkpoint: a resume past this update still has it
+                value = metrics.get("loss/log_ratio_abs_mean")
+                state.stage_first_log_ratio = None if value is None else float(value)
             reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, max_length)
             self.log("update", metrics, update_in_stage=state.update_in_stage - 1)
             self.progress.update(bar, metrics)
@@ -272,6 +276,8 @@ class Trainer:
     def end_stage(self, reason: str, data: StageData, stage_metrics: dict, optimize_s: float) -> None:
         """Log the stage record, move to the next stage and checkpoint its start."""
         state = self.state
+        # With trainer log-probs already set at the stage's start (mugrpo.training.tis).
+        stage_metrics.setdefault("stage/engine_logprob_mismatch", state.stage_first_log_ratio)
         stage_metrics.update(_stage_end_metrics(reason, state, data, self.plan, self.world))
         stage_metrics["perf/optimize_s"] = optimize_s
         stage_metrics["perf/eval_s"] = self.evaluator.finish_stage(state)
@@ -281,6 +287,7 @@ class Trainer:
             self.progress.stage_summary(state.stage, stage_metrics)
         state.stage += 1
         state.update_in_stage = 0
+        state.stage_first_log_ratio = None
         self.ckpt_s = self.save()
 
     def finish(self) -> Path:

@@ -48,7 +48,8 @@ class Completion:
 
 
 ProgressFn = Callable[[int], None]
-"""Called with the number of sequences just finished."""
+"""Called with the number of sequences just finished; an engine may also call it with 0 between
+decode steps (the HF engine does), so that the caller can end a long call by raising from it."""
 
 
 class RolloutEngine(Protocol):

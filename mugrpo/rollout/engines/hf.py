@@ -20,6 +20,10 @@ Stop strings (``SamplingConfig.stop``, multi-turn): a stopping criterion decodes
 row after every step and stops the row at the first token whose text completes a stop string
 (the rule vLLM applies, see :mod:`mugrpo.rollout.engines.vllm`); the row is cut right after that
 token, so what ``generate`` pads after it is never kept. Without stop strings nothing changes.
+
+Stopping a call: with a ``progress`` callback, the engine calls ``progress(0)`` after every decode
+step (a stopping criterion that never stops a row), so the caller can end a long call by raising
+there: a SIGTERM lands within one decode step, not at the end of the batch.
 Multi-turn continuation is a plain call with the trajectory so far as the prompt (n = 1): one
 prefill of the active batch per turn; the KV cache is not carried between turns (the left padding
 changes as trajectories grow), vLLM's prefix cache covers that for the vLLM engine.
@@ -77,6 +81,18 @@ class SampledTokenLogprobs(LogitsProcessor):
             self.steps.append(self._pending.gather(-1, new_tokens[:, -1:]).squeeze(-1))
         self._pending = None
         return torch.stack(self.steps[:num_steps], dim=1)
+
+
+class Heartbeat(StoppingCriteria):
+    """Calls ``progress(0)`` after every decode step and never stops a row: the caller's chance to end
+    a long ``generate`` call by raising (a requested stop, :mod:`mugrpo.training.generation`)."""
+
+    def __init__(self, progress: ProgressFn):
+        self.progress = progress
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        self.progress(0)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 class StopStrings(StoppingCriteria):
@@ -214,17 +230,19 @@ class HFEngine:
                 torch.manual_seed(derive(sampling.seed, "hf-generate-call", chunk_idx))
                 chunk = prompts[start:start + prompts_per_call]
                 limits = None if max_new_tokens is None else max_new_tokens[start:start + prompts_per_call]
-                out.extend(self._generate_chunk(chunk, sampling, gen_cfg, limits))
+                out.extend(self._generate_chunk(chunk, sampling, gen_cfg, limits, progress))
                 if progress is not None:
                     progress(len(chunk) * sampling.n)
         return out
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingConfig, gen_cfg: GenerationConfig,
-                        limits: Optional[list[int]] = None) -> list[list[Completion]]:
+                        limits: Optional[list[int]] = None,
+                        progress: Optional[ProgressFn] = None) -> list[list[Completion]]:
         """``sampling.n`` completions for each of ``prompts``, in one generate call.
 
         ``limits`` (per prompt): the call runs to the largest and each row is cut at its own; the
-        kept tokens are exactly the sampled ones (a cut only drops the continuation)."""
+        kept tokens are exactly the sampled ones (a cut only drops the continuation). ``progress``
+        is called with 0 after every decode step (:class:`Heartbeat`)."""
         n = sampling.n
         input_ids, attention = left_pad(prompts, self.pad_id)
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
@@ -240,7 +258,8 @@ class HFEngine:
             gen_cfg.max_new_tokens = max(limits)
             limits = [limit for limit in limits for _ in range(n)]
         stops = StopStrings(self.tokenizer, sampling.stop, width, input_ids.shape[0]) if sampling.stop else None
-        criteria = [] if stops is None else [stops]
+        # none changes what is sampled: a row cap ends a row where its own cap would; a heartbeat never stops one
+        criteria = [c for c in (stops, progress and Heartbeat(progress)) if c is not None]
         if limits is not None and min(limits) < max(limits):
             criteria.append(RowLimits(limits, width))
         if criteria:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct on the two-call calculator task (a*b + c*d: a*b first, then <that> + c*d):
+# the base model with and without the calculator, then a warm start on solved traces
+# (mugrpo.warmstart.demos.calculator_rows) and the same evaluations of the warm-started model.
+# Greedy, 64 held-out items (seed 1; the traces use seed 0). Writes benchmarks/results/smollm_tool_warmstart/*.
+#   bash benchmarks/smollm/tool_warmstart.sh [NUM_TRACES] [EPOCHS]
+# Needs .venv-vllm (bash scripts/setup_vllm.sh). A benchmark, not a test: it asserts nothing.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+N=${1:-64}; EPOCHS=${2:-2}
+OUT=benchmarks/results/smollm_tool_warmstart; CACHE=benchmarks/cache/smollm_tool_warmstart
+mkdir -p "$OUT" "$CACHE"
+export PYTHONPATH=. OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=.venv-vllm/bin/python
+$PY - "$CACHE" "$N" <<'PY'
+import json, sys
+from mugrpo.warmstart.demos import calculator_rows, write_jsonl
+cache, n = sys.argv[1], int(sys.argv[2])
+write_jsonl(calculator_rows(n, seed=0, num_calls=2), f"{cache}/train.jsonl")
+held = [{"question": r["question"], "answer": r["answer"]} for r in calculator_rows(64, seed=1, num_calls=2)]
+write_jsonl(held, f"{cache}/eval.jsonl")
+PY
+TASK=(task.kind=math "task.few_shot=[]" "task.instruction=Use the calculate tool, then put your final answer within \\boxed{}." task.max_prompt_tokens=1024)
+evaluate() {  # model label [extra overrides]
+  local model=$1 label=$2; shift 2
+  $PY -m mugrpo eval --model "$model" --task "calc=$CACHE/eval.jsonl" --k 0 --max-new-tokens 256 \
+    --out "$OUT/eval_$label.json" --samples "$CACHE/samples_$label.jsonl" "${TASK[@]}" "$@" > "$CACHE/eval_$label.log" 2>&1 \
+    || { echo "eval $label failed:"; tail -5 "$CACHE/eval_$label.log"; }
+}
+echo "capability: $($PY -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" | tee "$OUT/machine.txt"
+t0=$(date +%s)
+evaluate smollm2-135m-instruct base_tool task.env=calculator
+evaluate smollm2-135m-instruct base_notool
+t1=$(date +%s)
+rm -rf "$CACHE/sft"
+$PY -m mugrpo sft --run-dir "$CACHE/sft" warmstart.data="$CACHE/train.jsonl" warmstart.epochs="$EPOCHS" \
+  warmstart.lr=5e-5 warmstart.batch_size=8 train.progress=false > "$CACHE/sft.log" 2>&1 || { echo "sft failed"; tail -20 "$CACHE/sft.log"; exit 1; }
+t2=$(date +%s)
+cp "$CACHE/sft/metrics.jsonl" "$OUT/sft_metrics.jsonl"
+evaluate "$CACHE/sft/final_model" sft_tool task.env=calculator
+evaluate "$CACHE/sft/final_model" sft_notool
+t3=$(date +%s)
+echo "{\"num_traces\": $N, \"epochs\": $EPOCHS, \"eval_base_s\": $((t1-t0)), \"sft_s\": $((t2-t1)), \"eval_sft_s\": $((t3-t2))}" > "$OUT/timing.json"
+cat "$OUT/timing.json"

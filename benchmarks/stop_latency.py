@@ -1,0 +1,92 @@
+"""How long a SIGTERM during generation takes to stop a run (issue 27 item 4): a benchmark, not a test.
+
+Runs ``mugrpo train`` on the tiny model built in code (CPU, one thread) with one long generate call
+per stage (``rollout.batch_size`` = the stage's sequences, long responses), sends a real SIGTERM a
+few seconds into stage 0's generation, and measures the seconds from the signal to the process's
+exit. For scale it also runs the same stage uninterrupted and reports its generation seconds
+(``perf/generate_s``): without the per-decode-step check a stop had to wait for the whole call.
+Writes ``benchmarks/results/stop_latency.json``; never asserts on time.
+
+    PYTHONPATH=. python benchmarks/stop_latency.py [--max-new-tokens 256] [--delay-s 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
+
+
+def _cmd(run_dir: Path, model: str, max_new_tokens: int) -> list[str]:
+    return [sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir), f"model.name={model}",
+            "task.few_shot=[]", "task.instruction=", "task.reward_fn=toy_rewards:frac_ones", "train.autocast=none",
+            "train.progress=false", "train.threads=1", "eval.num_items=0", "schedule.total_updates=4",
+            "schedule.num_stages=1", f"rollout.max_new_tokens={max_new_tokens}", "rollout.batch_size=256"]
+
+
+def _env() -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", "OMP_NUM_THREADS": "1"}
+    for key in ("MUGRPO_DIE_AT", "MUGRPO_STOP_AT"):
+        env.pop(key, None)
+    return env
+
+
+def stopped_run(run_dir: Path, model: str, max_new_tokens: int, delay_s: float) -> dict:
+    """SIGTERM ``delay_s`` after the plan is printed (the stop handler is installed, generation starts)."""
+    proc = subprocess.Popen(_cmd(run_dir, model, max_new_tokens), env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the plan's last lines come right before stage 0's generation
+        if "rollout engine" in line:
+            break
+    time.sleep(delay_s)
+    t_signal = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait()
+    stop_s = time.perf_counter() - t_signal
+    return {"returncode": proc.returncode, "stop_s": stop_s, "delay_s": delay_s,
+            "stage_written": (run_dir / "stages" / "stage_000" / "shards.json").exists()}
+
+
+def full_stage_generate_s(run_dir: Path, model: str, max_new_tokens: int) -> float:
+    r = subprocess.run(_cmd(run_dir, model, max_new_tokens), env=_env(), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "stage":
+            return record["perf/generate_s"]
+    raise RuntimeError("no stage record")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--delay-s", type=float, default=3.0)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stop_latency.json"))
+    args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from mugrpo.models.tiny import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_model(Path(tmp) / "model"))
+        stopped = stopped_run(Path(tmp) / "stopped", model, args.max_new_tokens, args.delay_s)
+        full_s = full_stage_generate_s(Path(tmp) / "full", model, args.max_new_tokens)
+    result = {"model": "tiny (built in code), CPU, 1 thread", "sequences_per_call": 256,
+              "max_new_tokens": args.max_new_tokens, "sigterm_to_exit_s": round(stopped["stop_s"], 2),
+              "exit_code": stopped["returncode"], "stage_written": stopped["stage_written"],
+              "signal_after_plan_s": args.delay_s, "uninterrupted_stage_generate_s": round(full_s, 2)}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
