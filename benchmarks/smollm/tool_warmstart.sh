@@ -4,7 +4,8 @@
 # (mugrpo.warmstart.demos.calculator_rows) and the same evaluations of the warm-started model.
 # Greedy, 64 held-out items (seed 1; the traces use seed 0). Writes benchmarks/results/smollm_tool_warmstart/*.
 #   bash benchmarks/smollm/tool_warmstart.sh [NUM_TRACES] [EPOCHS]
-# Needs .venv-vllm (bash scripts/setup_vllm.sh). A benchmark, not a test: it asserts nothing.
+# Needs .venv-vllm (bash scripts/setup_vllm.sh). A benchmark, not a test: it asserts nothing. A rerun keeps
+# the base model's evaluations and redoes the warm start and what follows.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 N=${1:-64}; EPOCHS=${2:-2}
@@ -23,6 +24,7 @@ PY
 TASK=(task.kind=math "task.few_shot=[]" "task.instruction=Use the calculate tool, then put your final answer within \\boxed{}." task.max_prompt_tokens=1024)
 evaluate() {  # model label [extra overrides]
   local model=$1 label=$2; shift 2
+  [ -f "$OUT/eval_$label.json" ] && [ "$label" != "${label#base}" ] && return 0  # the base model's: kept across reruns
   $PY -m mugrpo eval --model "$model" --task "calc=$CACHE/eval.jsonl" --k 0 --max-new-tokens 256 \
     --out "$OUT/eval_$label.json" --samples "$CACHE/samples_$label.jsonl" "${TASK[@]}" "$@" > "$CACHE/eval_$label.log" 2>&1 \
     || { echo "eval $label failed:"; tail -5 "$CACHE/eval_$label.log"; }
