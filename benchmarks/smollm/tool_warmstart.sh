@@ -3,7 +3,7 @@
 # the base model with and without the calculator, then a warm start on solved traces
 # (mugrpo.warmstart.demos.calculator_rows) and the same evaluations of the warm-started model.
 # Greedy, 64 held-out items (seed 1; the traces use seed 0). Writes benchmarks/results/smollm_tool_warmstart/*.
-#   bash benchmarks/smollm/tool_warmstart.sh [NUM_TRACES] [EPOCHS]
+#   LR=1e-4 bash benchmarks/smollm/tool_warmstart.sh [NUM_TRACES] [EPOCHS]   (8 traces per step)
 # Needs .venv-vllm (bash scripts/setup_vllm.sh). A benchmark, not a test: it asserts nothing. A rerun keeps
 # the base model's evaluations and redoes the warm start and what follows.
 set -euo pipefail
@@ -36,7 +36,7 @@ evaluate smollm2-135m-instruct base_notool
 t1=$(date +%s)
 rm -rf "$CACHE/sft"
 $PY -m mugrpo sft --run-dir "$CACHE/sft" warmstart.data="$CACHE/train.jsonl" warmstart.epochs="$EPOCHS" \
-  warmstart.lr=5e-5 warmstart.batch_size=8 train.progress=false > "$CACHE/sft.log" 2>&1 || { echo "sft failed"; tail -20 "$CACHE/sft.log"; exit 1; }
+  warmstart.lr=${LR:-1e-4} warmstart.batch_size=8 train.progress=false > "$CACHE/sft.log" 2>&1 || { echo "sft failed"; tail -20 "$CACHE/sft.log"; exit 1; }
 t2=$(date +%s)
 cp "$CACHE/sft/metrics.jsonl" "$OUT/sft_metrics.jsonl"
 evaluate "$CACHE/sft/final_model" sft_tool task.env=calculator
