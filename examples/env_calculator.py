@@ -64,7 +64,7 @@ def main(argv=None) -> mugrpo.TrainResult:
     }
     result = mugrpo.train(config, train_dataset=arithmetic_rows(args.rows), tools=[calculate], run_dir=args.run_dir)
     for stage in result.metrics("stage"):
-        counts = "  ".join(f"{k[4:]} {v:g}" for k, v in stage.items() if k.startswith("env/tool_"))
+        counts = "  ".join(f"{k[4:]} {v:g}" for k, v in stage.items() if k.startswith("env/tool_") and v is not None)
         print(f"stage {stage['stage']}: reward {stage['reward/mean']:.3f}  {counts}")
     print(f"run directory: {result.run_dir}  final model: {result.final_model}")
     return result
