@@ -111,9 +111,11 @@ def replay_prompt_ids(parts: RolloutParts, task_cfg, item_index: int) -> list[in
     item = parts.task.items[item_index]
     if parts.env_factory is None:
         return prompt_ids(parts.tokenizer, item.prompt, task_cfg)
+    from mugrpo.rollout.calls import CallRunner
     from mugrpo.rollout.envs.start import start_trajectories
 
-    prompts, envs = start_trajectories(parts.env_factory, [item], 1, 0, parts.tokenizer, task_cfg)
-    for env in envs:
-        env.close()
-    return prompts[0]
+    started = start_trajectories(parts.env_factory, [item], 1, 0, parts.tokenizer, task_cfg)  # TaskError if it fails
+    runner = CallRunner(1)
+    for env in started.envs:  # bounded and guarded, as every call into environment code
+        runner.run([env.close], 30.0, name="mugrpo-env-close")
+    return started.prompts[0]
