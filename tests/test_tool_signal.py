@@ -34,14 +34,3 @@ def test_a_tool_run_reports_tool_use_per_stage_and_says_when_there_is_none(tmp_p
     for record in stages:
         assert record["env/tool_call_frac"] == 0.0 and record["env/tool_calls/calculate"] == 0.0
         assert record["env/num_with_tool_call"] == 0.0 and record["env/tool_calls"] == 0.0
-
-
-def test_train_says_what_the_environment_is_at_start(tmp_path, tiny_model_dir, capsys):
-    cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES, "task.env=calculator",
-                                            "env.max_turns=2", "rollout.max_new_tokens=16",
-                                            "task.max_prompt_tokens=1000", "schedule.total_updates=1",
-                                            "schedule.num_stages=1", "eval.num_items=0"])
-    train(cfg, tmp_path / "run")
-    out = capsys.readouterr().out
-    assert "mugrpo.rollout.envs.builtin.CalculatorEnvironment" in out and "environment tools" in out
-    assert "environment max turns" in out and "'</tool_call>'" in out and "env turn template" in out

@@ -41,7 +41,7 @@ from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.models import lora
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
-from mugrpo.rollout.envs.build import build_env_factory, describe_env, turn_budget_rows
+from mugrpo.rollout.envs.build import build_env_factory
 from mugrpo.rollout.tasks import Task, build_task
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -221,11 +221,6 @@ class Trainer:
         self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
         if world.is_main:
             print(format_plan(self.plan, cfg, self.resolved))
-            if self.parts is not None and self.parts.env_factory is not None:  # what the environment is, as plan says
-                rows = describe_env(self.parts.env_factory) + turn_budget_rows(
-                    self.parts.env_factory, self.parts.tokenizer, cfg.rollout.max_new_tokens, cfg.env)
-                width = max(len(k) for k, _ in rows)
-                print("".join(f"{k:<{width}}  {v}\n" for k, v in rows), end="")
             for note in self.resolved.notes + _layout_notes(self.policy, cfg):
                 print(f"[mugrpo] {note}")
         self.t_start = time.perf_counter() - self.state.elapsed_s
