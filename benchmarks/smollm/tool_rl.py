@@ -1,0 +1,297 @@
+"""Issue 26, item 6: SmolLM2-135M warm-started on calculator traces, then RL with the tool.
+
+Steps, each its own process (so each run's clock and peak memory are its own)::
+
+    export PYTHONPATH=. OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+    PY=.venv-vllm/bin/python
+    $PY -m benchmarks.smollm.tool_rl prepare                # demonstrations, RL rows, held-out rows
+    $PY -m benchmarks.smollm.tool_rl warmstart --steps 1    # mugrpo sft: the short warm start
+    $PY -m benchmarks.smollm.tool_rl probe                  # the warm-started model: greedy + 4 samples
+    $PY -m benchmarks.smollm.tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
+    $PY -m benchmarks.smollm.tool_rl run grpo --seed 1      # grpo, a fresh stage every update
+    $PY -m benchmarks.smollm.tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
+    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model with and without the tool
+    .venv/bin/python -m benchmarks.smollm.tool_rl report    # JSON + figure from the run directories
+
+**Task.** The two-call calculator task of docs/BENCHMARKS.md section 9 ("What is a * b + c * d?",
+solved as ``a * b`` then ``<that> + c * d``; :func:`mugrpo.warmstart.demos.calculator_rows`). The
+demonstrations use seed 0, the RL questions seed 2, the held-out items seed 1 (disjoint by text).
+
+**Warm start.** ``mugrpo sft`` on the traces for ``--steps`` steps (8 traces a step, lr 1e-4): short on
+purpose, so that the starting policy calls the tool but does not yet solve the task every time and
+RL's groups have reward variance (a full warm start nearly solves this task greedily: section 9).
+
+**Tool latency.** The tool the RL runs call is the built-in ``calculate`` behind a sleep of
+``--latency`` seconds per call (as a sandbox or an API answers), with ``env.max_workers`` = 64 (the
+calls of one turn of a stage run at once, as a sandbox pool would). Same name, schema and
+docstring as the warm start's tool, so the prompt's tool protocol is token for token the same.
+
+**Arms.** ``mu``: mu-grpo, one stage of all ``--updates`` updates; ``grpo``: grpo, a fresh stage
+every update; ``notool``: mu-grpo from the same warm-started model, the instruction without its
+tool part and no tool (what RL does with the same budget without the tool). Held-out greedy
+accuracy with the tool every ``--eval-every`` updates (the trainer's evaluation), and at the end
+with and without the tool (``final``: ``mugrpo eval`` on the final model).
+
+Outputs under ``benchmarks/results/smollm_tool_rl/`` (``tool_rl.json``, ``tool_rl.png``); run
+directories under ``benchmarks/cache/smollm_tool_rl/`` (git ignores it). A benchmark: it asserts
+nothing about time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "benchmarks" / "results" / "smollm_tool_rl"
+CACHE = ROOT / "benchmarks" / "cache" / "smollm_tool_rl"
+SFT_DIR = CACHE / "sft"
+MODEL = SFT_DIR / "final_model"
+PLAIN_INSTRUCTION = "Put your final answer within \\boxed{}."
+ARMS = {"mu": ("mu-grpo", True), "grpo": ("grpo", True), "notool": ("mu-grpo", False)}
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(x) for x in (CACHE / f"{name}.jsonl").read_text().splitlines() if x.strip()]
+
+
+def prepare(args) -> None:
+    from mugrpo.warmstart.demos import calculator_rows, write_jsonl
+
+    write_jsonl(calculator_rows(args.traces, seed=0, num_calls=2), CACHE / "demos.jsonl")
+    for name, seed, n in (("train", 2, args.rows), ("heldout", 1, args.heldout)):
+        write_jsonl([{"question": r["question"], "answer": r["answer"]}
+                     for r in calculator_rows(n, seed=seed, num_calls=2)], CACHE / f"{name}.jsonl")
+    print(f"wrote {CACHE}/demos.jsonl ({args.traces}), train.jsonl ({args.rows}), heldout.jsonl ({args.heldout})")
+
+
+def _task_overrides(tool: bool) -> list[str]:
+    from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
+
+    instruction = CALCULATOR_INSTRUCTION if tool else PLAIN_INSTRUCTION
+    return ["task.kind=math", "task.few_shot=[]", f"task.instruction={instruction}", "task.max_prompt_tokens=1024"]
+
+
+def warmstart(args) -> None:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "mugrpo", "sft", "--run-dir", str(SFT_DIR), f"warmstart.data={CACHE / 'demos.jsonl'}",
+           f"warmstart.steps={args.steps}", f"warmstart.lr={args.lr}", "warmstart.batch_size=8",
+           "train.progress=false", "warmstart.checkpoint_every=0"]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    info = {"steps": args.steps, "lr": args.lr, "wall_s": time.perf_counter() - t0, "command": " ".join(cmd[1:])}
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "warmstart.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps(info))
+
+
+def _eval(model: Path, label: str, tool: bool, extra: list[str]) -> dict:
+    out = OUT / f"eval_{label}.json"
+    cmd = [sys.executable, "-m", "mugrpo", "eval", "--model", str(model), "--task", f"calc={CACHE / 'heldout.jsonl'}",
+           "--max-new-tokens", "200", "--out", str(out), "--samples", str(CACHE / f"samples_{label}.jsonl"),
+           *extra, *_task_overrides(tool), *(["task.env=calculator", "env.max_turns=4", "env.max_tokens_per_turn=64"]
+                                             if tool else [])]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    print(f"{label}: {time.perf_counter() - t0:.0f} s -> {out}")
+    return json.loads(out.read_text())
+
+
+def probe(args) -> None:
+    """The warm-started (and the base) model on the held-out items: greedy and 4 samples (temperature 1)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    _eval(MODEL, "warm_tool", True, ["--k", "4"])
+    if args.base:
+        _eval(Path("smollm2-135m-instruct"), "base_tool", True, ["--k", "4"])
+
+
+def slow_tool(latency_s: float):
+    """The built-in ``calculate`` behind ``latency_s`` of waiting (its name, schema and docstring kept)."""
+    from mugrpo.rollout.envs.builtin import calculate
+
+    @functools.wraps(calculate)
+    def wrapped(*a, **k):
+        time.sleep(latency_s)
+        return calculate(*a, **k)
+    return wrapped
+
+
+def arm_config(arm: str, seed: int, args) -> dict:
+    from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
+
+    preset, tool = ARMS[arm]
+    config = {
+        "preset": preset, "model.name": str(MODEL), "train.seed": seed,
+        "schedule.total_updates": args.updates, "schedule.prompts_per_update": args.prompts,
+        "rollout.group_size": args.group_size, "rollout.max_new_tokens": 200,
+        "env.max_turns": 4, "env.max_tokens_per_turn": 64, "env.max_workers": 64,
+        "task": {"few_shot": [], "instruction": CALCULATOR_INSTRUCTION if tool else PLAIN_INSTRUCTION,
+                 "max_prompt_tokens": 1024},
+        "optim.lr": args.lr,
+        "eval.num_items": args.heldout, "eval.every_updates": args.eval_every, "eval.every_stages": 0,
+        "eval.max_new_tokens": 200,
+    }
+    if preset == "mu-grpo":
+        config["schedule.num_stages"] = 1
+    else:
+        config["schedule.updates_per_stage"] = 1
+    return config
+
+
+def run(args) -> None:
+    import mugrpo
+
+    run_dir = CACHE / f"{args.arm}_seed{args.seed}"
+    config = arm_config(args.arm, args.seed, args)
+    tools = [slow_tool(args.latency)] if ARMS[args.arm][1] else None
+    t0 = time.perf_counter()
+    result = mugrpo.train(config, train_dataset=_rows("train"), eval_dataset=_rows("heldout")[: args.heldout],
+                          tools=tools, run_dir=run_dir)
+    import torch
+
+    info = {"arm": args.arm, "seed": args.seed, "wall_s": time.perf_counter() - t0, "latency_s": args.latency,
+            "config": config, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_avg_at_end": os.getloadavg(),
+            "command": " ".join(["python -m benchmarks.smollm.tool_rl"] + sys.argv[1:]),
+            "final_model": str(result.final_model)}
+    (run_dir / "bench.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps(info))
+
+
+def final(args) -> None:
+    """The trained model of ARM/seed on the held-out items, greedy, with the tool and without it."""
+    model = CACHE / f"{args.arm}_seed{args.seed}" / "final_model"
+    _eval(model, f"{args.arm}_seed{args.seed}_tool", True, ["--k", "0"])
+    _eval(model, f"{args.arm}_seed{args.seed}_notool", False, ["--k", "0"])
+
+
+# ---------------------------------------------------------------- report
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def summarize(run_dir: Path) -> dict:
+    """One run's evaluations on a training clock (wall-clock minus the evaluations' own seconds), its
+    stages' rewards, tool use, tool waiting and the veto by turn."""
+    arm, _, seed = run_dir.name.rpartition("_seed")
+    bench = run_dir / "bench.json"
+    info = json.loads(bench.read_text()) if bench.exists() else {"arm": arm, "seed": int(seed), "finished": False}
+    records = _records(run_dir)
+    eval_s, evals, stages, updates = 0.0, [], [], []
+    for r in records:
+        if r.get("kind") == "eval":
+            evals.append({"update": r.get("update"), "time_s": r.get("time_s"), "train_clock_s": r["time_s"] - eval_s,
+                          "greedy_acc": r.get("eval/greedy_acc"),
+                          "tool_call_frac": r.get("eval/env/tool_call_frac")})
+            eval_s += r.get("perf/eval_s", 0.0)
+        elif r.get("kind") == "stage":
+            n = max(r.get("stage/num_sequences", 1), 1)
+            stages.append({"stage": r.get("stage"), "reward_mean": r.get("reward/mean"), "time_s": r.get("time_s"),
+                           "generate_s": r.get("perf/generate_s"), "optimize_s": r.get("perf/optimize_s"),
+                           "num_sequences": n, "tool_calls_per_traj": r.get("env/tool_calls", 0) / n,
+                           "tool_call_frac": r.get("env/tool_call_frac"),
+                           "tool_success_frac": r.get("env/tool_success_frac"),
+                           "zero_var_group_frac": r.get("stage/zero_var_group_frac"),
+                           "turns_mean": r.get("env/turns_mean")})
+        elif r.get("kind") == "update":
+            updates.append({"update": r.get("update"),
+                            **{k: v for k, v in r.items() if k.startswith("loss/veto") or k.startswith("loss/first_trigger")
+                               or k in ("loss/vetoed_frac", "loss/clip_frac", "loss/kl_behaviour")}})
+    return {**info, "evals": evals, "stages": stages, "updates": updates}
+
+
+def time_to(evals: list[dict], target: float) -> float | None:
+    """The training clock of the first evaluation whose greedy accuracy reaches ``target``."""
+    for e in evals:
+        if e["greedy_acc"] is not None and e["greedy_acc"] >= target - 1e-9:
+            return e["train_clock_s"]
+    return None
+
+
+def report(args) -> None:
+    import torch
+
+    runs = [summarize(d) for d in sorted(CACHE.glob("*_seed*")) if (d / "metrics.jsonl").exists()]
+    finals = {p.stem[len("eval_"):]: json.loads(p.read_text()) for p in sorted(OUT.glob("eval_*.json"))}
+    out = {"machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
+                       "python": platform.python_version()},
+           "warmstart": json.loads((OUT / "warmstart.json").read_text()) if (OUT / "warmstart.json").exists() else None,
+           "runs": runs, "evals": finals}
+    (OUT / "tool_rl.json").write_text(json.dumps(out, indent=1))
+    print(f"wrote {OUT / 'tool_rl.json'} ({len(runs)} runs)")
+    for r in runs:
+        accs = [(e["update"], e["greedy_acc"]) for e in r["evals"]]
+        print(f"{r['arm']:7s} seed {r['seed']}: wall {r.get('wall_s', float('nan')):.0f} s, evals {accs}")
+    figure(runs)
+
+
+def figure(runs: list[dict]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for r in runs:
+        label = f"{r['arm']} s{r['seed']}"
+        if r["evals"]:
+            axes[0].plot([e["train_clock_s"] / 60 for e in r["evals"]], [e["greedy_acc"] for e in r["evals"]],
+                         marker="o", label=label)
+        st = [s for s in r["stages"] if s.get("time_s") is not None]
+        if st:
+            axes[1].plot([s["stage"] for s in st], [s["reward_mean"] for s in st], marker="s", label=label)
+            axes[2].plot([s["stage"] for s in st], [s["tool_calls_per_traj"] for s in st], marker="s", label=label)
+    axes[0].set(title="held-out greedy accuracy (with the tool)", xlabel="training clock, evaluations excluded (min)")
+    axes[1].set(title="training reward (stage mean)", xlabel="stage")
+    axes[2].set(title="tool calls per trajectory (training)", xlabel="stage")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(OUT / "tool_rl.png", dpi=90)
+    print(f"wrote {OUT / 'tool_rl.png'}")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("prepare")
+    s.add_argument("--traces", type=int, default=48)
+    s.add_argument("--rows", type=int, default=256)
+    s.add_argument("--heldout", type=int, default=32)
+    s = sub.add_parser("warmstart")
+    s.add_argument("--steps", type=int, default=1)
+    s.add_argument("--lr", type=float, default=1e-4)
+    s = sub.add_parser("probe")
+    s.add_argument("--base", action="store_true", help="also the base model")
+    for name in ("run", "final"):
+        s = sub.add_parser(name)
+        s.add_argument("arm", choices=sorted(ARMS))
+        s.add_argument("--seed", type=int, default=1)
+        if name == "run":
+            s.add_argument("--updates", type=int, default=6)
+            s.add_argument("--prompts", type=int, default=4, help="prompts per update")
+            s.add_argument("--group-size", type=int, default=8)
+            s.add_argument("--lr", type=float, default=1e-5)
+            s.add_argument("--heldout", type=int, default=32, help="held-out items per evaluation")
+            s.add_argument("--eval-every", type=int, default=2)
+            s.add_argument("--latency", type=float, default=0.5, help="seconds each tool call waits")
+    sub.add_parser("report")
+    args = p.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    {"prepare": prepare, "warmstart": warmstart, "probe": probe, "run": run, "final": final, "report": report}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
