@@ -5,7 +5,7 @@ Steps, each its own process (so each run's clock and peak memory are its own)::
     export PYTHONPATH=. OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     PY=.venv-vllm/bin/python
     $PY -m benchmarks.smollm.tool_rl prepare                # demonstrations, RL rows, held-out rows
-    $PY -m benchmarks.smollm.tool_rl warmstart --steps 1    # mugrpo sft: the short warm start
+    $PY -m benchmarks.smollm.tool_rl warmstart --steps 3    # mugrpo sft: the short warm start
     $PY -m benchmarks.smollm.tool_rl probe                  # the warm-started model: greedy + 4 samples
     $PY -m benchmarks.smollm.tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
     $PY -m benchmarks.smollm.tool_rl run grpo --seed 1      # grpo, a fresh stage every update
@@ -138,7 +138,7 @@ def arm_config(arm: str, seed: int, args) -> dict:
                  "max_prompt_tokens": 1024},
         "optim.lr": args.lr,
         "eval.num_items": args.heldout, "eval.every_updates": args.eval_every, "eval.every_stages": 0,
-        "eval.max_new_tokens": 200,
+        "eval.max_new_tokens": 200, "eval.num_samples": args.eval_samples,
     }
     if preset == "mu-grpo":
         config["schedule.num_stages"] = 1
@@ -170,8 +170,8 @@ def run(args) -> None:
 def final(args) -> None:
     """The trained model of ARM/seed on the held-out items, greedy, with the tool and without it."""
     model = CACHE / f"{args.arm}_seed{args.seed}" / "final_model"
-    _eval(model, f"{args.arm}_seed{args.seed}_tool", True, ["--k", "0"])
-    _eval(model, f"{args.arm}_seed{args.seed}_notool", False, ["--k", "0"])
+    _eval(model, f"{args.arm}_seed{args.seed}_tool", True, ["--k", "4"])
+    _eval(model, f"{args.arm}_seed{args.seed}_notool", False, ["--k", "4"])
 
 
 # ---------------------------------------------------------------- report
@@ -192,6 +192,7 @@ def summarize(run_dir: Path) -> dict:
         if r.get("kind") == "eval":
             evals.append({"update": r.get("update"), "time_s": r.get("time_s"), "train_clock_s": r["time_s"] - eval_s,
                           "greedy_acc": r.get("eval/greedy_acc"),
+                          "sampled_acc": r.get(f"eval/avg_at_{r.get('eval/num_samples', 4)}", r.get("eval/avg_at_4")),
                           "tool_call_frac": r.get("eval/env/tool_call_frac")})
             eval_s += r.get("perf/eval_s", 0.0)
         elif r.get("kind") == "stage":
@@ -270,7 +271,7 @@ def main(argv=None) -> None:
     s.add_argument("--rows", type=int, default=256)
     s.add_argument("--heldout", type=int, default=32)
     s = sub.add_parser("warmstart")
-    s.add_argument("--steps", type=int, default=1)
+    s.add_argument("--steps", type=int, default=3)
     s.add_argument("--lr", type=float, default=1e-4)
     s = sub.add_parser("probe")
     s.add_argument("--base", action="store_true", help="also the base model")
@@ -279,12 +280,13 @@ def main(argv=None) -> None:
         s.add_argument("arm", choices=sorted(ARMS))
         s.add_argument("--seed", type=int, default=1)
         if name == "run":
-            s.add_argument("--updates", type=int, default=6)
+            s.add_argument("--updates", type=int, default=8)
             s.add_argument("--prompts", type=int, default=4, help="prompts per update")
             s.add_argument("--group-size", type=int, default=8)
-            s.add_argument("--lr", type=float, default=1e-5)
+            s.add_argument("--lr", type=float, default=5e-5)
             s.add_argument("--heldout", type=int, default=32, help="held-out items per evaluation")
             s.add_argument("--eval-every", type=int, default=2)
+            s.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out item (avg@k)")
             s.add_argument("--latency", type=float, default=0.5, help="seconds each tool call waits")
     sub.add_parser("report")
     args = p.parse_args(argv)
