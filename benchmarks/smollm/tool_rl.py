@@ -139,6 +139,7 @@ def arm_config(arm: str, seed: int, args) -> dict:
         "optim.lr": args.lr,
         "eval.num_items": args.heldout, "eval.every_updates": args.eval_every, "eval.every_stages": 0,
         "eval.max_new_tokens": 200, "eval.num_samples": args.eval_samples,
+        "eval.at_start": False,  # the starting model's evaluation is the probe's (same items, same settings)
     }
     if preset == "mu-grpo":
         config["schedule.num_stages"] = 1
@@ -285,7 +286,7 @@ def main(argv=None) -> None:
             s.add_argument("--group-size", type=int, default=8)
             s.add_argument("--lr", type=float, default=5e-5)
             s.add_argument("--heldout", type=int, default=32, help="held-out items per evaluation")
-            s.add_argument("--eval-every", type=int, default=2)
+            s.add_argument("--eval-every", type=int, default=4)
             s.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out item (avg@k)")
             s.add_argument("--latency", type=float, default=0.5, help="seconds each tool call waits")
     sub.add_parser("report")
