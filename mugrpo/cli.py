@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _resolve(args)
             print(format_plan(make_plan(cfg), cfg))
             print(_environment_plan(cfg), end="")
+            print(_warmstart_plan(cfg), end="")
             return 0
         if args.verb == "config":
             return _config_verb(args)
@@ -105,6 +106,18 @@ def _environment_plan(cfg) -> str:
                                                   f"({type(exc).__name__})"))
     else:
         rows += turn_budget_rows(factory, tokenizer, cfg.rollout.max_new_tokens, cfg.env)
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
+
+
+def _warmstart_plan(cfg) -> str:
+    """The warm start ``warmstart.data`` asks for (its data read and checked as at start, so bad data
+    exits 2 here too); "" without one."""
+    from mugrpo.warmstart.source import plan_rows
+
+    rows = plan_rows(cfg)
+    if not rows:
+        return ""
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 

@@ -35,10 +35,9 @@ from mugrpo.config import Config, ConfigError, from_dict, read_run_config, to_di
 from mugrpo.config.plan import make_plan
 from mugrpo.faults import maybe_die
 from mugrpo.hardware import detect, resolve
-from mugrpo.models.loading import load_tokenizer, model_context, resolve_model_path
+from mugrpo.models.loading import load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
-from mugrpo.rollout.envs.build import resolve_tools
 from mugrpo.run_dir import RunDir
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -48,9 +47,10 @@ from mugrpo.training.data import StageData
 from mugrpo.training.forward import response_logprobs
 from mugrpo.training.model_parts import ModelParts, TrainingError, build_model, step_optimizer
 from mugrpo.training.update import with_fillers
-from mugrpo.warmstart.data import Demonstration, DemonstrationError, load_demonstrations
+from mugrpo.warmstart.data import DemonstrationError
 from mugrpo.warmstart.loss import num_steps, sft_loss, step_examples
-from mugrpo.warmstart.render import ENV_TURN, Example, render_demonstrations
+from mugrpo.warmstart.render import ENV_TURN, Example
+from mugrpo.warmstart.source import Source, load_source, max_length_for
 
 SFT_TEMPERATURE = 1.0
 """The warm start fits the model's own distribution: log-probs at temperature 1, whatever
@@ -67,20 +67,11 @@ def as_stage_data(examples: list[Example]) -> StageData:
                      torch.ones(n, dtype=torch.bool), list(range(n)), 1, turns=turns)
 
 
-def load(cfg: Config) -> list[Demonstration]:
-    """``warmstart.data``'s demonstrations, with the task's prompt rendering and ``task.tools``;
-    DemonstrationError (the CLI exits 2) for a file or row that cannot be used."""
-    if cfg.warmstart.data is None:
-        raise ConfigError("warmstart.data is not set: give the demonstrations, e.g. warmstart.data=demos.jsonl "
-                          "(.jsonl, .json or .parquet; docs/WARMSTART.md)")
-    try:
-        return load_demonstrations(Path(cfg.warmstart.data).expanduser(), tools=resolve_tools(cfg.task.tools),
-                                   task_cfg=cfg.task, split_calls=cfg.warmstart.split_calls)
-    except (DemonstrationError, ConfigError):
-        raise
-    except (ValueError, OSError) as exc:  # e.g. a .json or .parquet file that does not parse
-        raise DemonstrationError(f"warmstart.data={cfg.warmstart.data}: cannot be read "
-                                 f"({' '.join(str(exc).split()) or type(exc).__name__})") from exc
+def load(cfg: Config, rows: list | None = None) -> Source:
+    """``warmstart.data``'s source (:func:`mugrpo.warmstart.source.load_source`: demonstrations, or a
+    run's selected trajectories; ``rows``: those given from Python); the CLI exits 2 for one that
+    cannot be used."""
+    return load_source(cfg, rows)
 
 
 @dataclass(eq=False)
@@ -101,18 +92,19 @@ class WarmStart:
     t_start: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def build(cls, cfg: Config, world, run_dir: RunDir, demos: list[Demonstration]) -> "WarmStart":
-        """Render ``demos`` with the model's tokenizer (printing the length rule's counts), then build
-        the model side with the warm start's learning rate and a schedule over its steps."""
+    def build(cls, cfg: Config, world, run_dir: RunDir, source: Source) -> "WarmStart":
+        """Make ``source``'s examples with the model's tokenizer (printing the length rule's counts), then
+        build the model side with the warm start's learning rate and a schedule over its steps."""
         ws = cfg.warmstart
         model_path = dist.broadcast_object(resolve_model_path(cfg.model.name, cfg.model.cache_dir)
                                            if world.is_main else None)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        max_length = ws.max_length or model_context(model_path, cfg.model.trust_remote_code) or (
-            cfg.task.max_prompt_tokens + cfg.rollout.max_new_tokens)
-        examples, counts = render_demonstrations(tokenizer, demos, max_length)
+        max_length = max_length_for(cfg, model_path)
+        examples, counts = source.examples(tokenizer, max_length)
         if world.is_main:
-            print(f"[mugrpo] warm start: {counts['num_demonstrations']} demonstrations, {counts['num_truncated']} "
+            if source.trajectories is not None:
+                print(f"[mugrpo] warm start (rejection sampling): {source.describe()}")
+            print(f"[mugrpo] warm start: {counts['num_demonstrations']} examples, {counts['num_truncated']} "
                   f"cut to max_length={max_length} tokens, {counts['num_dropped']} dropped (no trained token left), "
                   f"{counts['num_loss_tokens']} trained tokens")
         if not examples:
@@ -213,13 +205,14 @@ class WarmStart:
         self.logger.close()
 
 
-def sft(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
+def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None) -> Path:
     """Run (or resume) a warm-start-only run in ``run_dir``; returns its final model folder, an HF
     folder that ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
-    :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own)."""
+    :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own);
+    ``rows``: the demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``)."""
     rd = RunDir(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
-    demos = load(cfg)  # a bad file stops here, before any model loads or anything is written
+    source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
     lock = phase = stopper = None
     failed_new_run, existed = False, rd.path.is_dir()
     if resume:
@@ -228,7 +221,7 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     else:
         ckpt.check_run_dir_free(rd.path)
     try:
-        phase = WarmStart.build(cfg, world, rd, demos)
+        phase = WarmStart.build(cfg, world, rd, source)
         if resume:
             phase.resume()
         else:
