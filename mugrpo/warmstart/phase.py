@@ -138,7 +138,11 @@ class WarmStart:
     def gradients(self, seqs: list[int]) -> tuple[float, float]:
         """Accumulate the gradient of the step of examples ``seqs`` (this rank's share of them, micro-batched
         under ``schedule.micro_batch_tokens``): the NLL divided by the whole step's trained tokens.
-        Returns (the step's mean NLL, its trained tokens)."""
+
+        Every rank holds every example, so the normaliser is counted from ``seqs`` alone: the global
+        token count with no collective. Returns (the step's mean NLL, the trained tokens the ranks'
+        forwards covered), both summed over ranks in one all-reduce: the count equals the normaliser
+        when the ranks' shares cover the step once (tests/test_sft_distributed.py reads it)."""
         data, world, m = self.data, self.world, self.model
         num_tokens = float(sum(data.num_policy_tokens(s) for s in seqs))
         layout = {"shared": False, "budget": self.cfg.schedule.micro_batch_tokens,
@@ -146,7 +150,7 @@ class WarmStart:
         mine = seqs[world.rank::world.size]
         batches, real = with_fillers([b.to(m.device) for b in micro_batches(data, mine, **layout)],
                                      lambda: [b.to(m.device) for b in micro_batches(data, seqs[:1], **layout)])
-        nll = torch.zeros(())
+        nll, covered = torch.zeros(()), torch.zeros(())
         for i, mb in enumerate(batches):
             with dist.no_sync_unless_last(m.policy, i == len(batches) - 1):
                 logprobs, _ = response_logprobs(m.policy, mb, SFT_TEMPERATURE, self.autocast, False, False)
@@ -156,11 +160,13 @@ class WarmStart:
                 (loss * world.size).backward()  # DDP/FSDP average over ranks; the loss is a share of the sum
             if i < real:
                 nll = nll + summed.float().cpu()
+                covered = covered + mb.response_mask.sum().float().cpu()
         if not batches:  # a rank without examples: a zero gradient, so every rank steps alike
             for p in m.policy.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        return float(dist.sum_over_ranks(nll.reshape(1))[0]) / max(num_tokens, 1.0), num_tokens
+        nll, covered = dist.sum_over_ranks(torch.stack([nll, covered])).tolist()
+        return nll / max(num_tokens, 1.0), covered
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) and drop metric records from beyond it (all of them without one)."""
