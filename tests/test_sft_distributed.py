@@ -3,7 +3,8 @@
 The warm start shares RL's model side (:func:`mugrpo.training.model_parts.build_model`, FSDP2 from
 :mod:`mugrpo.training.distributed`); these tests check that it also shares RL's data-parallel
 contract: the ranks split each step's examples and make the single process's steps, rank 0 alone
-writes, and a killed 2-process warm start resumes to the uninterrupted run's weights.
+writes (into rank 0's run directory), and a killed 2-process warm start resumes to the
+uninterrupted run's weights.
 
 Six demonstrations of distinct lengths (answer i is i + 1 "1" characters, so i + 2 trained tokens
 with EOS: 27 in all); 3 a step, 2 epochs: 4 steps. One sequence per micro-batch, so rank 0 (2 of a
@@ -143,3 +144,21 @@ def test_killed_two_process_warm_start_resumes_to_the_uninterrupted_weights(two_
     for name, value in uninterrupted.items():
         torch.testing.assert_close(again[name], value, rtol=0, atol=1e-6)
     assert [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")].count("sft_data") == 1
+
+
+@pytest.mark.distributed
+def test_every_rank_writes_into_rank_zeros_run_directory(tiny_model_dir, demos, tmp_path):
+    # `mugrpo sft` without --run-dir names the run by the time (runs/sft-<time>), which two processes
+    # may read a second apart; the phase takes rank 0's folder. Here each rank asks for its own.
+    script = tmp_path / "per_rank.py"
+    script.write_text("import os, sys\nfrom mugrpo.config import load_config\nfrom mugrpo.warmstart.phase import sft\n"
+                      "sft(load_config(overrides=sys.argv[2:]), f\"{sys.argv[1]}/rank{os.environ['RANK']}\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path / "runs"), f"model.name={tiny_model_dir}", f"warmstart.data={demos}", *KEYS,
+           "warmstart.steps=2"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == ["rank0"]
+    assert [r["update"] for r in _steps(tmp_path / "runs" / "rank0")] == [1, 2]

@@ -223,8 +223,8 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     """Run (or resume) a warm-start-only run in ``run_dir``; returns its final model folder, an HF
     folder that ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
     :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own)."""
-    rd = RunDir(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
+    rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     demos = load(cfg)  # a bad file stops here, before any model loads or anything is written
     lock = phase = stopper = None
     failed_new_run, existed = False, rd.path.is_dir()
