@@ -162,3 +162,26 @@ def test_every_rank_writes_into_rank_zeros_run_directory(tiny_model_dir, demos, 
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert [p.name for p in (tmp_path / "runs").iterdir()] == ["rank0"]
     assert [r["update"] for r in _steps(tmp_path / "runs" / "rank0")] == [1, 2]
+
+
+@pytest.mark.distributed
+def test_a_stop_one_rank_receives_stops_every_rank_at_the_same_step(two_rank_sft, tiny_model_dir, demos, tmp_path):
+    # SIGTERM reaches rank 1 alone, after step 1: the ranks agree (a max over ranks) to checkpoint
+    # and stop after that step. A rank checkpointing alone would wait in the checkpoint's gathers
+    # while the other ran step 2's, until parallel.timeout_s (set short, so a bug fails, not hangs).
+    script = tmp_path / "stop_rank1.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    os.environ['MUGRPO_STOP_AT'] = 'sft_step:1'\n"
+                      "from mugrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "sft",
+           "--run-dir", str(run_dir), f"model.name={tiny_model_dir}", f"warmstart.data={demos}", *KEYS,
+           "parallel.timeout_s=60"]
+    stopped = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert stopped.returncode != 0 and "exitcode  : 130" in stopped.stderr, stopped.stderr[-3000:]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["ckpt_000001_s000_u00001"]
+    resumed = _mugrpo(2, ["--resume", run_dir])
+    assert resumed.returncode == 0, f"{resumed.stdout[-3000:]}\n{resumed.stderr[-6000:]}"
+    for name, value in _weights(two_rank_sft).items():
+        torch.testing.assert_close(_weights(run_dir)[name], value, rtol=0, atol=1e-6)

@@ -203,9 +203,12 @@ class WarmStart:
                              "time_s": time.perf_counter() - self.t_start, **metrics})
             progress.advance(bar, 1)
             maybe_die("sft_step")
-            if state.update < self.total_steps and (stopper.requested or (every and state.update % every == 0)):
+            # A signal may reach the ranks a step apart: all stop after the step one of them saw it in
+            # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
+            stop = dist.max_over_ranks(int(stopper.requested)) > 0
+            if state.update < self.total_steps and (stop or (every and state.update % every == 0)):
                 self.save()
-                if stopper.requested:
+                if stop:
                     raise ckpt.Interrupted(self.run_dir.path, "sft")
         progress.close(bar)
         if state.update and state.num_skipped_updates >= state.update:
