@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 from pathlib import Path
 
@@ -164,7 +165,8 @@ def _train_verb(args) -> int:
     except Interrupted as exc:
         print(f"[mugrpo] {exc}", file=sys.stderr)
         return 130
-    print(f"[mugrpo] done. Run directory: {run_dir}  final model: {final}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per process
+        print(f"[mugrpo] done. Run directory: {run_dir}  final model: {final}")
     return 0
 
 

@@ -78,8 +78,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s.
     ``replay``: a run directory whose stages this run trains on instead of generating its own
     (:mod:`mugrpo.training.replay`; a resumed run replays the source it recorded)."""
-    rd = RunDir(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
+    rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     plan = make_plan(cfg, world.size)
     if resume and replay is not None:
         raise replay_mod.ReplayError("--replay starts a new run; a resumed run replays the source it recorded "

@@ -130,7 +130,11 @@ class WarmStart:
     def gradients(self, seqs: list[int]) -> tuple[float, float]:
         """Accumulate the gradient of the step of examples ``seqs`` (this rank's share of them, micro-batched
         under ``schedule.micro_batch_tokens``): the NLL divided by the whole step's trained tokens.
-        Returns (the step's mean NLL, its trained tokens)."""
+
+        Every rank holds every example, so the normaliser is counted from ``seqs`` alone: the global
+        token count with no collective. Returns (the step's mean NLL, the trained tokens the ranks'
+        forwards covered), both summed over ranks in one all-reduce: the count equals the normaliser
+        when the ranks' shares cover the step once (tests/test_sft_distributed.py reads it)."""
         data, world, m = self.data, self.world, self.model
         num_tokens = float(sum(data.num_policy_tokens(s) for s in seqs))
         layout = {"shared": False, "budget": self.cfg.schedule.micro_batch_tokens,
@@ -138,7 +142,7 @@ class WarmStart:
         mine = seqs[world.rank::world.size]
         batches, real = with_fillers([b.to(m.device) for b in micro_batches(data, mine, **layout)],
                                      lambda: [b.to(m.device) for b in micro_batches(data, seqs[:1], **layout)])
-        nll = torch.zeros(())
+        nll, covered = torch.zeros(()), torch.zeros(())
         for i, mb in enumerate(batches):
             with dist.no_sync_unless_last(m.policy, i == len(batches) - 1):
                 logprobs, _ = response_logprobs(m.policy, mb, SFT_TEMPERATURE, self.autocast, False, False)
@@ -148,11 +152,13 @@ class WarmStart:
                 (loss * world.size).backward()  # DDP/FSDP average over ranks; the loss is a share of the sum
             if i < real:
                 nll = nll + summed.float().cpu()
+                covered = covered + mb.response_mask.sum().float().cpu()
         if not batches:  # a rank without examples: a zero gradient, so every rank steps alike
             for p in m.policy.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        return float(dist.sum_over_ranks(nll.reshape(1))[0]) / max(num_tokens, 1.0), num_tokens
+        nll, covered = dist.sum_over_ranks(torch.stack([nll, covered])).tolist()
+        return nll / max(num_tokens, 1.0), covered
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) and drop metric records from beyond it (all of them without one)."""
@@ -189,9 +195,12 @@ class WarmStart:
                              "time_s": time.perf_counter() - self.t_start, **metrics})
             progress.advance(bar, 1)
             maybe_die("sft_step")
-            if state.update < self.total_steps and (stopper.requested or (every and state.update % every == 0)):
+            # A signal may reach the ranks a step apart: all stop after the step one of them saw it in
+            # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
+            stop = dist.max_over_ranks(int(stopper.requested)) > 0
+            if state.update < self.total_steps and (stop or (every and state.update % every == 0)):
                 self.save()
-                if stopper.requested:
+                if stop:
                     raise ckpt.Interrupted(self.run_dir.path, "sft")
         progress.close(bar)
         if state.update and state.num_skipped_updates >= state.update:
@@ -210,8 +219,8 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
     folder that ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
     :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own);
     ``rows``: the demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``)."""
-    rd = RunDir(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
+    rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
     lock = phase = stopper = None
     failed_new_run, existed = False, rd.path.is_dir()
