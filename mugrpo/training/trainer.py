@@ -111,6 +111,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
                 replay_mod.record_source(rd.path, source)
         trainer.start()
         stopper = ckpt.GracefulStop(rd.path)
+        trainer.evaluator.stopper = stopper
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
         while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             data, stage_metrics = trainer.source.stage(trainer.state, stopper)
