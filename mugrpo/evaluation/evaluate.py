@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 from mugrpo.errors import TaskError
 from mugrpo.rollout.engines import SamplingConfig
-from mugrpo.rollout.envs.start import env_name
+from mugrpo.rollout.envs.start import Skips, env_name
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, finalize_counts, loop_counts, roll_out_items
 from mugrpo.evaluation.metrics import summarize
 from mugrpo.rollout.tasks import Item, Task, limit_prompts, prompt_ids
@@ -206,11 +206,11 @@ def _responses(engine, tokenizer, items, prompts, sampling, progress, env: Optio
                 [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat], None,
                 list(range(len(items))))
     ctx = LoopContext(engine, tokenizer, env.limits, env.task_cfg)
-    failures: list[str] = []
+    skipped = Skips(none_left_stops=False)  # every item failing is decided over the modes and ranks
     kept, _, trajs = roll_out_items(ctx, env.factory, items, sampling, reset_seed=sampling.seed, progress=progress,
-                                    skipped=failures, none_left_stops=False)
-    out.env_failures += failures
-    for key, value in {**loop_counts(trajs), "env/num_items_skipped": float(len(failures))}.items():
+                                    skipped=skipped)
+    out.env_failures += skipped.failures
+    for key, value in {**loop_counts(trajs), "env/num_items_skipped": float(len(skipped.failures))}.items():
         out.env_counts[key] = out.env_counts.get(key, 0.0) + value
     return ([t.final_text for t in trajs], [sum(1 for k in t.turns if k >= 0) for t in trajs],
             [t.truncated for t in trajs], trajs, kept)
