@@ -131,7 +131,7 @@ def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
     r = CallRunner(1).run([lambda: make(**args)], _timeout(env_cfg), name="mugrpo-env-check")[0]
     if not r.ok:  # user code: report, with the key
         why = (f"ran past env.reset_timeout_s={_timeout(env_cfg):g} s" if r.timed_out
-               else f"failed: {type(r.exception).__name__}: {r.exception}")
+               else f"failed: {_what(r)}")
         raise ConfigError(f"task.env: calling {getattr(make, '__name__', make)!r} with task.env_args={args} {why}")
     probe = r.value
     if isinstance(probe, Environment):
@@ -194,16 +194,20 @@ def _make_checked(runner: CallRunner, factory: functools.partial, key: str, time
     if isinstance(r.exception, (TypeError, ValueError)):  # most often arguments it does not take
         raise ConfigError(f"{key}: {r.exception}") from r.exception
     if r.error is not None:
-        raise ConfigError(f"{key}: making the environment ({target}) at start failed: "
-                          f"{type(r.exception).__name__ if r.exception else 'refused'}: {r.exception}\n{r.error}")
+        raise ConfigError(f"{key}: making the environment ({target}) at start failed: {_what(r)}\n{r.error}")
     return r.value
+
+
+def _what(r) -> str:
+    """A failed call in one line: the exception (or, for a refused call, the runner's reason)."""
+    return f"{type(r.exception).__name__}: {r.exception}" if r.exception is not None else r.error.strip()
 
 
 def _tools_error(r, name: str, timeout_s: float) -> Optional[str]:
     if r.timed_out:
         return f"{name}.tools() ran past env.reset_timeout_s={timeout_s:g} s"
     if r.error is not None:
-        return f"{name}.tools() raised {type(r.exception).__name__}: {r.exception}"
+        return f"{name}.tools() raised {_what(r)}"
     return None
 
 
