@@ -90,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _environment_plan(cfg) -> str:
-    """What ``task.env`` / ``task.tools`` make, from one environment built as training builds it (so a
+    """What ``task.env`` / ``task.tools`` make, from the environments built as training builds them (so a
     path that does not import, or arguments it does not take, exit 2 here too); "" for single-turn."""
     if cfg.task.env is None and not cfg.task.tools:
         return ""
-    from mugrpo.rollout.envs.build import build_env_factory, describe_env, turn_budget_rows
+    from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
 
-    factory = build_env_factory(cfg.task, cfg.env)
-    rows = describe_env(factory)
+    summary = build_env_factory(cfg.task, cfg.env).summary
+    rows = describe_env(summary)
     try:
         from mugrpo.models.loading import load_tokenizer
 
@@ -106,9 +106,8 @@ def _environment_plan(cfg) -> str:
         rows.append(("env turn template", f"unknown: the tokenizer of {cfg.model.name} did not load "
                                                   f"({type(exc).__name__})"))
     else:
-        rows += turn_budget_rows(factory, tokenizer, cfg.rollout.max_new_tokens, cfg.env)
-    width = max(len(k) for k, _ in rows)
-    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
+        rows += turn_budget_rows(summary, tokenizer, cfg.rollout.max_new_tokens, cfg.env)
+    return format_rows(rows)
 
 
 def _warmstart_plan(cfg) -> str:

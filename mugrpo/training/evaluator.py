@@ -18,7 +18,7 @@ import torch
 from mugrpo import seeds
 from mugrpo.faults import maybe_die
 from mugrpo.evaluation.evaluate import (EnvEval, EvalSettings, Generations, generate_and_score, render_prompts,
-                                        summarize_generations)
+                                        stop_if_nothing_started, summarize_generations)
 from mugrpo.rollout.engines import weights_loaded
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -126,6 +126,7 @@ class TrainingEvaluator:
                                      progress=lambda n: self._advance(bar, n), env=self.env)
             self.progress.close(bar)
         gen = _gather(gen, self.settings, self.world)
+        stop_if_nothing_started(gen, self.env)  # every rank alike: on the combined counts
         seconds = time.perf_counter() - t0
         self._stage_s += seconds
         metrics = {f"eval/{k}": v for k, v in summarize_generations(gen, self.settings).items()}
@@ -162,7 +163,8 @@ def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:
         return dist.gather_cat(torch.tensor(values, dtype=dtype))
 
     # Every rank joins (a rank may have no items, hence no counts); {} when no rank evaluated through an env.
-    out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts))
+    out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts),
+                      env_failures=gen.env_failures)
     out.env_rewards = {mode: cat(values).tolist() for mode, values in gen.env_rewards.items()}
     out.rewards = {mode: cat(values).tolist() for mode, values in gen.rewards.items()}
     if gen.greedy is not None:

@@ -41,7 +41,7 @@ from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.models import lora
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
-from mugrpo.rollout.envs.build import build_env_factory
+from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
 from mugrpo.rollout.tasks import Task, build_task
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -217,11 +217,16 @@ class Trainer:
             ckpt.truncate_metrics(self.run_dir.metrics, self.state, self.cfg.eval)
 
     def start(self) -> None:
-        """Open the logger, print the plan, and set up evaluation."""
+        """Open the logger, print the plan (and what the environment is, as ``mugrpo plan`` says it), and
+        set up evaluation."""
         cfg, world = self.cfg, self.world
         self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
         if world.is_main:
             print(format_plan(self.plan, cfg, self.resolved))
+            # From the start-up check's first environment (build_env_factory): no environment is made for it.
+            summary = getattr(self.parts.env_factory, "summary", None) if self.parts is not None else None
+            print(format_rows(describe_env(summary) + turn_budget_rows(
+                summary, self.parts.tokenizer if summary else None, cfg.rollout.max_new_tokens, cfg.env)), end="")
             for note in self.resolved.notes + _layout_notes(self.policy, cfg):
                 print(f"[mugrpo] {note}")
         self.t_start = time.perf_counter() - self.state.elapsed_s

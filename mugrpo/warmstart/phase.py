@@ -207,7 +207,7 @@ class WarmStart:
             raise TrainingError(f"all {state.update} warm-start steps were skipped for a non-finite loss or gradient; "
                                 "no model was written. Lower warmstart.lr or set train.autocast=none")
         self.save()  # the end: a resume after the export finds nothing left to do
-        ckpt.export_hf(self.model.policy, self.model.tokenizer, self.run_dir.final_model, world)
+        ckpt.export_hf(self.model.policy, self.model.tokenizer, self.run_dir.final_model, world, "sft")
         return self.run_dir.final_model
 
     def close(self) -> None:
