@@ -12,7 +12,8 @@
     )
     result.final_model, result.metrics()[-1]
 
-A supervised warm start alone: ``mugrpo.sft({"warmstart.epochs": 2}, data="demos.jsonl", run_dir=...)``;
+A supervised warm start alone: ``mugrpo.sft({"warmstart.epochs": 2}, data="demos.jsonl", run_dir=...)`` (or
+``data=`` a ``datasets.Dataset``, a list of rows, or an earlier run's directory for rejection sampling);
 with ``warmstart.data`` set, :func:`train` runs one first, in ``RUN_DIR/warmstart/`` (docs/WARMSTART.md).
 ``mugrpo.evaluate(model, tasks, ...)`` mirrors ``mugrpo eval`` and returns its report.
 
@@ -141,31 +142,42 @@ def default_run_dir(cfg: Config, name: Optional[str] = None) -> Path:
     return Path(f"runs/{name or cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def sft(config: ConfigLike = None, *, data: Union[str, Path, None] = None, preset: Optional[str] = None,
+def sft(config: ConfigLike = None, *, data: Any = None, preset: Optional[str] = None,
         run_dir: Union[str, Path, None] = None, resume: bool = False) -> TrainResult:
     """A supervised warm start alone (``mugrpo sft``; docs/WARMSTART.md): returns the run and its
     ``final_model``, an HF folder an RL run can start from (``model.name``).
 
     - ``config``: see :func:`make_config`; the ``warmstart.*`` keys set the warm start.
-    - ``data``: the demonstrations file (``.jsonl``, ``.json``, ``.parquet``); sets ``warmstart.data``.
-    - ``resume=True``: continue the warm start in ``run_dir`` from its last checkpoint.
+    - ``data``: the demonstrations: a file (``.jsonl``, ``.json``, ``.parquet``), an earlier run's
+      directory (rejection sampling, ``warmstart.min_reward``), or rows: a ``datasets.Dataset`` or a
+      list of dicts, recorded in config.yaml as ``warmstart.data: "python:N rows, sha256 H"``. Sets
+      ``warmstart.data``.
+    - ``resume=True``: continue the warm start in ``run_dir`` from its last checkpoint; one trained on
+      rows needs the same rows again as ``data``.
     """
     from mugrpo.training.checkpoint import resume_config
     from mugrpo.warmstart.phase import sft as run_sft
+    from mugrpo.warmstart.source import rows_label
 
+    rows = None if data is None or isinstance(data, (str, Path)) else _as_rows(data, "data")
     if resume:
         if run_dir is None:
             raise ConfigError("resume=True needs run_dir: the warm start to continue")
-        if config is not None or preset is not None or data is not None:
-            raise ConfigError("resume=True takes the run's own config.yaml; drop config/preset/data")
+        if config is not None or preset is not None:
+            raise ConfigError("resume=True takes the run's own config.yaml; drop config/preset")
         cfg = resume_config(Path(run_dir), [])
+        stored = str(cfg.warmstart.data)
+        if (rows_label(rows) if rows is not None else None) != (stored if _is_label(stored) else None) or (
+                data is not None and rows is None):
+            raise ConfigError(f"{run_dir} was warm-started on warmstart.data={stored!r}; resume it with "
+                              + ("the same rows as data=" if _is_label(stored) else "no data= (it reads that again)"))
     else:
         cfg = make_config(config, preset)
         if data is not None:
-            cfg.warmstart.data = str(data)
+            cfg.warmstart.data = rows_label(rows) if rows is not None else str(data)
             validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg, "sft")
-    return TrainResult(run_dir, run_sft(cfg, run_dir, resume=resume))
+    return TrainResult(run_dir, run_sft(cfg, run_dir, resume=resume, rows=rows))
 
 
 EVAL_OPTIONS = {"k": "--k", "n": "--n", "temperature": "--temperature", "top_p": "--top-p",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _resolve(args)
             print(format_plan(make_plan(cfg), cfg))
             print(_environment_plan(cfg), end="")
+            print(_warmstart_plan(cfg), end="")
             return 0
         if args.verb == "config":
             return _config_verb(args)
@@ -88,14 +90,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _environment_plan(cfg) -> str:
-    """What ``task.env`` / ``task.tools`` make, from one environment built as training builds it (so a
+    """What ``task.env`` / ``task.tools`` make, from the environments built as training builds them (so a
     path that does not import, or arguments it does not take, exit 2 here too); "" for single-turn."""
     if cfg.task.env is None and not cfg.task.tools:
         return ""
-    from mugrpo.rollout.envs.build import build_env_factory, describe_env, turn_budget_rows
+    from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
 
-    factory = build_env_factory(cfg.task, cfg.env)
-    rows = describe_env(factory)
+    summary = build_env_factory(cfg.task, cfg.env).summary
+    rows = describe_env(summary)
     try:
         from mugrpo.models.loading import load_tokenizer
 
@@ -104,7 +106,18 @@ def _environment_plan(cfg) -> str:
         rows.append(("env turn template", f"unknown: the tokenizer of {cfg.model.name} did not load "
                                                   f"({type(exc).__name__})"))
     else:
-        rows += turn_budget_rows(factory, tokenizer, cfg.rollout.max_new_tokens, cfg.env)
+        rows += turn_budget_rows(summary, tokenizer, cfg.rollout.max_new_tokens, cfg.env)
+    return format_rows(rows)
+
+
+def _warmstart_plan(cfg) -> str:
+    """The warm start ``warmstart.data`` asks for (its data read and checked as at start, so bad data
+    exits 2 here too); "" without one."""
+    from mugrpo.warmstart.source import plan_rows
+
+    rows = plan_rows(cfg)
+    if not rows:
+        return ""
     width = max(len(k) for k, _ in rows)
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 
@@ -151,7 +164,8 @@ def _train_verb(args) -> int:
     except Interrupted as exc:
         print(f"[mugrpo] {exc}", file=sys.stderr)
         return 130
-    print(f"[mugrpo] done. Run directory: {run_dir}  final model: {final}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per process
+        print(f"[mugrpo] done. Run directory: {run_dir}  final model: {final}")
     return 0
 
 

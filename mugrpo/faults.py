@@ -6,6 +6,7 @@ exactly where the test says, whatever the machine's load); several, comma-separa
 (``update:3,checkpoint_write:2``: a second SIGTERM inside the checkpoint the first one asked for).
 Points: ``generate`` (after a generation batch, or a multi-turn turn in which a trajectory ended),
 ``decode`` (the HF engine's heartbeat after each decode step, or a turn in which none ended),
+``eval`` (each progress call of an in-training evaluation: a decode step or finished sequences),
 ``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer update,
 before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename),
 ``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`).

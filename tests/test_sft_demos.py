@@ -82,7 +82,7 @@ def test_rejection_sampling_keeps_rewarded_finished_trajectories_with_their_poli
     examples, counts = select_from_run(tmp_path, min_reward=0.5)
     # read 4 + 1 = 5; kept: stage 0's sequences 0 (1.0) and 2 (0.5 >= 0.5), stage 1's sequence 0;
     # sequence 3 of stage 0 is rewarded but unfinished
-    assert counts == {"num_total": 5, "num_kept": 3, "num_unfinished": 1, "num_stages": 2}
+    assert counts == {"num_total": 5, "num_kept": 3, "num_unfinished": 1, "num_stages": 2, "reward_max": 1.0}
     assert [e.source for e in examples] == [(0, 0, 0), (0, 0, 2), (1, 0, 0)]
     first, multi, single = examples
     assert (first.prompt_ids, first.response_ids, first.response_mask) == ([1, 2], [10, 11, 2], [1, 1, 1])

@@ -222,6 +222,35 @@ def _top_k_top_p_logprobs(logits, k, top_p):
     return logits.masked_fill(drop, -math.inf).log_softmax(-1)
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.vllm
+def test_a_stop_raised_from_progress_ends_the_call_within_a_decode_step_and_leaves_nothing_running(tiny, engine_fp32):
+    """The stop check runs after every engine step (progress(0)), not only at a finished prompt:
+    a stop after 3 steps of a 64-token call ends it there; the call's requests are aborted, so the
+    next call returns what an uninterrupted engine returns."""
+    _, _, prompts = tiny
+    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=64, seed=5)
+    before = engine_fp32.generate(prompts, sampling)
+    assert max(len(c.token_ids) for g in before for c in g) > 8  # the call takes more than a few steps
+    calls = []
+
+    def progress(n):
+        calls.append(n)
+        if calls.count(0) == 3:
+            raise _Stop
+
+    with pytest.raises(_Stop):
+        engine_fp32.generate(prompts, sampling, progress=progress)
+    assert calls.count(0) == 3 and sum(calls) == 0  # stopped at the 3rd step, before any prompt finished
+    assert not engine_fp32.llm.llm_engine.has_unfinished_requests()
+    assert "step" not in vars(engine_fp32.llm.llm_engine)  # the engine's own step again
+    after = engine_fp32.generate(prompts, sampling)
+    assert [c.token_ids for g in after for c in g] == [c.token_ids for g in before for c in g]
+
+
 @pytest.mark.vllm
 def test_generation_is_seeded_and_leaves_the_global_rng_alone(tiny, engine_fp32):
     _, _, prompts = tiny

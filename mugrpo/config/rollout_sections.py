@@ -289,7 +289,8 @@ class EnvConfig:
     """Environment steps running at once (threads); results do not depend on it."""
     reset_timeout_s: float = 60.0
     """Per-call limit of making one environment (the factory call), its ``reset`` and its ``tools()``;
-    past it, or on an exception, that item is skipped (its group), counted in ``env/num_items_skipped``."""
+    past it, or on an exception, that item is skipped (its group), counted in ``env/num_items_skipped``
+    (in training and evaluation). At the start-up check, a constructor past it stops at start."""
     tool_isolation: Literal["thread", "process"] = "thread"
     """Where ``task.tools`` calls run: ``thread`` (cheap; a call that holds the GIL, e.g. a catastrophic
     regex, stalls the others until it returns) or ``process`` (a worker process per running call, killed

@@ -19,8 +19,13 @@ from mugrpo.config.checks import SAFE, check
 class WarmstartConfig:
     data: Optional[str] = None
     """Demonstrations to warm-start on: a ``.jsonl``, ``.json`` (a list) or ``.parquet`` file of TRL
-    conversational or prompt/completion rows (docs/WARMSTART.md). null: no warm start. With it set,
-    ``mugrpo train`` first trains on them in RUN_DIR/warmstart/ and starts RL from the result."""
+    conversational or prompt/completion rows (docs/WARMSTART.md), or the run directory of an earlier
+    run, whose own trajectories with reward >= ``min_reward`` are trained on (rejection sampling).
+    null: no warm start. With it set, ``mugrpo train`` first trains on them in RUN_DIR/warmstart/ and
+    starts RL from the result."""
+    min_reward: float = 1.0
+    """With ``data`` a run directory: keep the trajectories of its complete stages whose reward is
+    at least this (and that ended by themselves, not at the token budget)."""
     epochs: int = 1
     """Passes over the demonstrations (each in its own seeded order), unless ``steps`` is set."""
     steps: Optional[int] = None
@@ -43,7 +48,10 @@ class WarmstartConfig:
     def validate(self) -> None:
         if self.data is not None:
             check(isinstance(self.data, str) and self.data.strip() != "", "warmstart.data",
-                  "a path to a .jsonl, .json or .parquet file of demonstrations, or null", self.data)
+                  "a path to a .jsonl, .json or .parquet file of demonstrations, a run directory, or null",
+                  self.data)
+        check(isinstance(self.min_reward, (int, float)) and not isinstance(self.min_reward, bool)
+              and abs(self.min_reward) < float("inf"), "warmstart.min_reward", "a finite number", self.min_reward)
         check(self.epochs >= 1, "warmstart.epochs", "an integer >= 1", self.epochs)
         if self.steps is not None:
             check(self.steps >= 1, "warmstart.steps", "an integer >= 1 or null", self.steps)

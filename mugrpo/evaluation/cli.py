@@ -65,7 +65,8 @@ def run_eval(args) -> dict:
     report (``tasks``, ``overall``, ``settings``; :func:`mugrpo.evaluate` returns it to Python)."""
     from mugrpo.evaluation.sets import resolve, split_specs
     from mugrpo.evaluation.metrics import macro_average
-    from mugrpo.evaluation.evaluate import EnvEval, generate_and_score, render_prompts, summarize_generations
+    from mugrpo.evaluation.evaluate import (EnvEval, generate_and_score, render_prompts, stop_if_nothing_started,
+                                            summarize_generations)
     from mugrpo.rollout.envs.build import build_env_factory
     from mugrpo.models.loading import check_fits, load_tokenizer, model_context
 
@@ -107,6 +108,7 @@ def run_eval(args) -> dict:
                                 settings.max_new_tokens)
             gen = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
                                      progress=_bar(total, es.name), env=env)
+            stop_if_nothing_started(gen, env)
             metrics = summarize_generations(gen, settings)
             metrics["eval_s"] = time.perf_counter() - t0
             metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)

@@ -18,7 +18,12 @@ with its tools) and the task scores its final policy turn (``greedy_acc``, ``avg
 (``greedy_env_reward_mean``), with the reward training optimises (task score + environment reward,
 ``greedy_reward_mean``) and the fraction of trajectories whose reward reaches ``correct_at``
 (``greedy_solved_frac``; ``sample_*`` likewise); the loop's counts are reported as ``env/*`` (e.g.
-``eval/env/tool_calls``).
+``eval/env/tool_calls``). An item whose environment cannot be made or reset (an exception, a
+timeout: :mod:`mugrpo.rollout.envs.start`) is skipped in that mode, as training skips it, and
+counted in ``env/num_items_skipped`` (item starts, summed over the modes, like
+``env/num_trajectories``), the first failure printed; the metrics are then over the other items. An
+evaluation where every item failed stops (:func:`stop_if_nothing_started`, after the ranks' counts
+are combined) naming the environment and the first error.
 
 The metric math lives in :mod:`mugrpo.evaluation.metrics`; which items to evaluate in
 :mod:`mugrpo.evaluation.sets`. Scoring is the task's own (:meth:`mugrpo.rollout.tasks.Task.score_all`).
@@ -31,7 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from mugrpo.errors import TaskError
 from mugrpo.rollout.engines import SamplingConfig
+from mugrpo.rollout.envs.start import Skips, env_name
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, finalize_counts, loop_counts, roll_out_items
 from mugrpo.evaluation.metrics import summarize
 from mugrpo.rollout.tasks import Item, Task, limit_prompts, prompt_ids
@@ -77,6 +84,8 @@ class Generations:
     rewards: dict[str, list[float]] = field(default_factory=dict)
     """With an environment, per mode: each response's reward as training counts it (the task's score
     of the final turn plus the environment's reward)."""
+    env_failures: list[str] = field(default_factory=list)
+    """With an environment: what failed, per item start skipped in this process (with its traceback)."""
 
 
 @dataclass(frozen=True)
@@ -130,15 +139,15 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
                                               top_k=0, max_new_tokens=settings.max_new_tokens, seed=settings.seed)))
     for mode, sampling in runs:
         t0 = time.perf_counter()
-        texts, lengths, truncated, trajs = _responses(engine, tokenizer, items, prompts, sampling, progress, env,
-                                                      out)
+        texts, lengths, truncated, trajs, kept = _responses(engine, tokenizer, items, prompts, sampling, progress,
+                                                            env, out)
         out.generate_s += time.perf_counter() - t0
-        repeated = [item for item in items for _ in range(sampling.n)]
-        scores, _ = task.score_eval(texts, repeated)
+        repeated = [items[i] for i in kept for _ in range(sampling.n)]
+        scores = task.score_eval(texts, repeated)[0].tolist() if texts else []
         if trajs is not None:
             out.env_rewards[mode] = [t.env_reward for t in trajs]
-            out.rewards[mode] = [float(x) + t.env_reward for x, t in zip(scores.tolist(), trajs)]
-        per_item = scores.view(len(items), sampling.n).tolist()
+            out.rewards[mode] = [float(x) + t.env_reward for x, t in zip(scores, trajs)]
+        per_item = [scores[j * sampling.n:(j + 1) * sampling.n] for j in range(len(kept))]
         if mode == "greedy":
             out.greedy = [row[0] for row in per_item]
         else:
@@ -146,10 +155,27 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
         out.lengths += lengths
         out.truncated += truncated
         if settings.keep_text:
-            out.records += [{"item": i // sampling.n, "mode": mode, "text": text, "score": float(score),
+            out.records += [{"item": kept[i // sampling.n], "mode": mode, "text": text, "score": float(score),
                              **({} if trajs is None else trajectory_record(trajs[i], tokenizer))}
-                            for i, (text, score) in enumerate(zip(texts, scores.tolist()))]
+                            for i, (text, score) in enumerate(zip(texts, scores))]
+    if out.env_failures:
+        print(f"[mugrpo] warning: evaluation: {len(out.env_failures)} item start(s) of {len(items) * len(runs)} "
+              "skipped, their environment failed to start (counted in env/num_items_skipped; the metrics are over "
+              f"the other items). The first:\n{out.env_failures[0]}", file=sys.stderr)
     return out
+
+
+def stop_if_nothing_started(gen: Generations, env: Optional[EnvEval]) -> None:
+    """:class:`TaskError` when an evaluation through ``env`` skipped items and started no trajectory
+    (every item's environment failed to start), naming the environment and the first error; call it
+    on the combined counts (after the ranks' are summed), so every rank decides alike."""
+    counts = gen.env_counts
+    if env is None or not counts.get("env/num_items_skipped") or counts.get("env/num_trajectories"):
+        return
+    first = gen.env_failures[0] if gen.env_failures else "(on another rank: see its output)"
+    raise TaskError(f"every item of this evaluation failed to start its environment ({env_name(env.factory)}), so "
+                    f"nothing was evaluated: {int(counts['env/num_items_skipped'])} item start(s) skipped. The "
+                    f"first:\n{first}")
 
 
 def trajectory_record(t, tokenizer) -> dict:
@@ -170,19 +196,24 @@ def trajectory_record(t, tokenizer) -> dict:
 
 
 def _responses(engine, tokenizer, items, prompts, sampling, progress, env: Optional[EnvEval], out: Generations
-               ) -> tuple[list[str], list[int], list[bool], Optional[list]]:
-    """(texts to score, response lengths, truncated flags, the trajectories or None), sampling.n per
-    item, item-major."""
+               ) -> tuple[list[str], list[int], list[bool], Optional[list], list[int]]:
+    """(texts to score, response lengths, truncated flags, the trajectories or None, the indices of the
+    items they answer), sampling.n per item, item-major. With ``env``, the items whose environment
+    failed to start are left out (``out.env_failures``, ``env/num_items_skipped``)."""
     if env is None:
         flat = [c for group in engine.generate(prompts, sampling, progress=progress) for c in group]
         return ([tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
-                [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat], None)
+                [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat], None,
+                list(range(len(items))))
     ctx = LoopContext(engine, tokenizer, env.limits, env.task_cfg)
-    _, _, trajs = roll_out_items(ctx, env.factory, items, sampling, reset_seed=sampling.seed, progress=progress)
-    for key, value in loop_counts(trajs).items():
+    skipped = Skips(none_left_stops=False)  # every item failing is decided over the modes and ranks
+    kept, _, trajs = roll_out_items(ctx, env.factory, items, sampling, reset_seed=sampling.seed, progress=progress,
+                                    skipped=skipped)
+    out.env_failures += skipped.failures
+    for key, value in {**loop_counts(trajs), "env/num_items_skipped": float(len(skipped.failures))}.items():
         out.env_counts[key] = out.env_counts.get(key, 0.0) + value
     return ([t.final_text for t in trajs], [sum(1 for k in t.turns if k >= 0) for t in trajs],
-            [t.truncated for t in trajs], trajs)
+            [t.truncated for t in trajs], trajs, kept)
 
 
 def summarize_generations(gen: Generations, settings: EvalSettings) -> dict[str, float]:

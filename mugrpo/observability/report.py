@@ -11,7 +11,8 @@
 - ``summary.md`` (and ``summary.json`` with the same numbers, unrounded): headline numbers, time
   per phase, the training clock each run needed to first reach given levels, with speed-ups
   relative to the first run, and the drift diagnostics and held-out metric against the position
-  in the stage (:func:`mugrpo.observability.report_data.by_position`).
+  in the stage (:func:`mugrpo.observability.report_data.by_position`), and each run's warm start (a
+  ``mugrpo sft`` run, or ``RUN_DIR/warmstart/``): steps, first and last loss, trained tokens, wall-clock.
 
 The numbers come from :mod:`mugrpo.observability.report_data` (where the definitions are stated); this module
 only draws and formats. matplotlib is imported lazily with the Agg backend (no display needed).
@@ -126,6 +127,7 @@ def write_report(runs: list[rd.Run], out: Path, levels=None, eval_levels=None, e
         "eval_levels": _reach_table(runs, evals, eval_levels) if evals else [],
         "by_position": {r.label: rd.by_position(r, eval_key) for r in runs},
         "environments": {r.label: e for r in runs if (e := rd.environment_summary(r)) is not None},
+        "warmstart": {r.label: r.warmstart for r in runs if r.warmstart is not None},
     }
     (out / "summary.json").write_text(json.dumps(json_safe(data), indent=1) + "\n")
     (out / "summary.md").write_text(_markdown(title, runs, data, [p.name for p in written]))
@@ -308,6 +310,7 @@ def _markdown(title: str, runs, data: dict, figures: list[str]) -> str:
         parts += _reach_section(eval_key, data["eval_levels"], runs)
     parts += _position_section(data["by_position"], eval_key)
     parts += _environment_section(data["environments"])
+    parts += _warmstart_section(data["warmstart"])
     parts += ["## Figures\n"] + [f"![{Path(f).stem}]({f})\n" for f in figures]
     return "\n".join(parts)
 
@@ -366,6 +369,22 @@ def _environment_stages(envs: dict) -> list[str]:
         parts += [f"{label}:\n", _table(["stage", "trajectories", "turns mean", "env token frac", "env reward mean",
                                          *(f"{r} frac" for r in reasons), *tools], rows)]
     return parts
+
+
+def _warmstart_section(warm: dict) -> list[str]:
+    """Runs with a warm start (``mugrpo sft``, or ``RUN_DIR/warmstart/``): its data, steps, first and last
+    loss, trained tokens and wall-clock (docs/WARMSTART.md). Nothing without one."""
+    if not warm:
+        return []
+    rows = [[label, str(w["data"]), _num(w.get("num_demonstrations"), "{:.0f}"), str(w["num_steps"]),
+             _num(w["loss_first"], "{:.4f}"), _num(w["loss_last"], "{:.4f}"), _num(w["num_tokens"], "{:.0f}"),
+             _num(w.get("num_truncated"), "{:.0f}"), _num(w.get("num_dropped"), "{:.0f}"), _num(w["wall_s"], "{:.1f}")]
+            for label, w in warm.items()]
+    return ["## Warm start (supervised, before RL)\n",
+            "Loss: the step's mean NLL per trained token (`sft/loss`). Trained tokens: summed over steps. Examples: "
+            "the demonstrations (or kept trajectories) the length rule was given; cut and dropped: by it.\n",
+            _table(["run", "data", "examples", "steps", "loss first", "loss last", "trained tokens", "cut", "dropped",
+                    "wall-clock s"], rows)]
 
 
 def _reach_section(key: str, table: list[dict], runs) -> list[str]:

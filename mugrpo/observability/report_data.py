@@ -4,7 +4,9 @@ A run's ``metrics.jsonl`` holds three kinds of records (written by :mod:`mugrpo.
 :mod:`mugrpo.evaluation.evaluate`): ``update`` (one per optimizer update: ``loss/*``, ``optim/*``),
 ``stage`` (one per stage: ``reward/*`` of the stage's rollouts, ``perf/*_s`` phase times) and
 ``eval`` (``eval/*``, ``perf/eval_s``). ``time_s`` is wall-clock since the run started,
-continued across resumes.
+continued across resumes. A warm start (:mod:`mugrpo.warmstart.phase`: a ``mugrpo sft`` run, or
+``RUN_DIR/warmstart/`` of an RL run) writes ``sft_data`` (its data's counts) and ``sft`` records (one
+per step: ``sft/loss``, ``sft/num_tokens``); :func:`warmstart_summary` reads them.
 
 Definitions used by the report (each one is a choice, stated once here):
 - **training clock** = ``time_s`` minus the evaluation seconds spent up to that moment, so runs
@@ -60,6 +62,8 @@ class Run:
     updates: list[dict] = field(default_factory=list)
     stages: list[dict] = field(default_factory=list)
     evals: list[dict] = field(default_factory=list)
+    warmstart: Optional[dict] = None
+    """:func:`warmstart_summary` of the run's warm start (its own for a ``mugrpo sft`` run), or None."""
 
     @property
     def preset(self) -> str:
@@ -85,14 +89,46 @@ def load_run(path: str | Path, label: Optional[str] = None) -> Run:
         records = read_metrics(metrics)
     except (OSError, UnicodeDecodeError) as exc:
         raise ReportError(f"{metrics}: cannot be read as text ({exc}); it is not a mugrpo metrics file") from exc
+    warm = warmstart_summary(path, records) or warmstart_summary(RunDir(path).warmstart)
     records = dedupe([r for r in records if isinstance(r, dict) and r.get("kind") in ("update", "stage", "eval")])
-    if not records:
+    if not records and warm is None:
         raise ReportError(f"{metrics}: no metric records (the file is empty, or no line is a JSON record of kind "
-                          "update, stage or eval); leave this run out of the report, or check the file")
-    run = Run(label or path.resolve().name, path, config or {})
+                          "update, stage, eval or sft); leave this run out of the report, or check the file")
+    run = Run(label or path.resolve().name, path, config or {}, warmstart=warm)
     for r in records:
         {"update": run.updates, "stage": run.stages, "eval": run.evals}.get(r.get("kind"), []).append(r)
     return run
+
+
+def warmstart_summary(path: Path, records: Optional[list] = None) -> Optional[dict]:
+    """The warm start whose metrics are ``path``'s (``records``: already read), or None without ``sft``
+    records: ``num_steps`` (the last step), ``loss_first`` / ``loss_last`` (``sft/loss`` of the first
+    and last steps), ``num_tokens`` (trained tokens, summed over steps), ``wall_s`` (the last step's
+    ``time_s``), ``data`` (``warmstart.data`` of its config), ``num_steps_planned`` and the
+    ``sft_data`` counts (``num_demonstrations`` ...; with rejection sampling ``num_total``, ``num_stages``)."""
+    if records is None:
+        metrics = RunDir(path).metrics
+        if not metrics.is_file():
+            return None
+        try:
+            records = read_metrics(metrics)
+        except (OSError, UnicodeDecodeError):
+            return None
+    records = [r for r in records if isinstance(r, dict)]
+    steps = sorted(dedupe([r for r in records if r.get("kind") == "sft"]), key=lambda r: r.get("update") or 0)
+    if not steps:
+        return None
+    data = next((r for r in reversed(records) if r.get("kind") == "sft_data"), {})
+    try:
+        config = read_run_config(path, str(path), required=False)
+    except (ConfigError, UserError):
+        config = {}
+    return {"path": str(path), "data": (config.get("warmstart") or {}).get("data"),
+            "num_steps": max(int(r["update"]) for r in steps), "loss_first": value(steps[0], "sft/loss"),
+            "loss_last": value(steps[-1], "sft/loss"), "num_tokens": sum(value(r, "sft/num_tokens") for r in steps),
+            "wall_s": value(steps[-1], "time_s"), "num_steps_planned": data.get("num_steps"),
+            **{k: v for k, v in data.items() if k.startswith("num_") and k != "num_steps"
+               and isinstance(v, (int, float))}}
 
 
 def dedupe(records: list[dict]) -> list[dict]:

@@ -45,13 +45,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mugrpo.faults import maybe_die
 from mugrpo.rollout.calls import run_calls
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.base import EnvFactory, Environment, StepResult
 from mugrpo.seeds import derive
+
+if TYPE_CHECKING:
+    from mugrpo.rollout.envs.start import Skips
 
 END_REASONS = ("done", "turn_limit", "length", "overflow", "env_error", "env_timeout", "env_bad_output")
 TRUNCATED = ("length", "overflow")
@@ -188,15 +191,16 @@ class LoopContext:
 
 def roll_out_items(ctx: LoopContext, factory: EnvFactory, items: list, sampling: SamplingConfig, *,
                    reset_seed: int, select: Optional[Callable[[list[list[int]]], list[int]]] = None,
-                   progress: Optional[Callable[[int], None]] = None, skipped: Optional[list[str]] = None
+                   progress: Optional[Callable[[int], None]] = None, skipped: Optional[Skips] = None
                    ) -> tuple[list[int], list[list[int]], list[Trajectory]]:
     """A stage's trajectories for ``items``: (the groups kept, their prompts, G = ``sampling.n``
     trajectories per kept group, group-major).
 
     Environments are made and reset (:func:`mugrpo.rollout.envs.start.start_trajectories`, each call
-    bounded by ``limits.reset_timeout_s``). With a ``skipped`` list, an item whose environment cannot
-    be made or reset is left out and what failed is appended to ``skipped`` (every item failing
-    stops); without one, the first such failure stops. ``select(prompts)`` may keep only some groups
+    bounded by ``limits.reset_timeout_s``). With ``skipped`` (a :class:`mugrpo.rollout.envs.start.Skips`),
+    an item whose environment cannot be made or reset is left out and what failed is appended to
+    ``skipped.failures`` (every item failing stops, unless ``skipped.none_left_stops`` is False: then
+    nothing is rolled out, ``([], [], [])``); without it, the first such failure stops. ``select(prompts)`` may keep only some groups
     (e.g. the prompt-length rule; the others' envs are closed); the rest are rolled out and closed
     (also when the loop raises). A turn ends at the engine's EOS.
     """
@@ -204,9 +208,9 @@ def roll_out_items(ctx: LoopContext, factory: EnvFactory, items: list, sampling:
 
     G, limits = sampling.n, ctx.limits
     started = start_trajectories(factory, items, G, reset_seed, ctx.tokenizer, ctx.task_cfg,
-                                 limits.reset_timeout_s, skipped is not None)
-    if skipped is not None:
-        skipped += started.failures
+                                 limits.reset_timeout_s, skipped)
+    if not started.kept:
+        return [], [], []
     prompts, envs = started.prompts, started.envs
     try:
         kept = list(range(len(prompts))) if select is None else list(select(prompts))

@@ -331,12 +331,24 @@ _TORCH_WRITE_FAILED = ("PytorchStreamWriter failed writing", "file write failed"
 
 
 def write_failure(exc: BaseException) -> str | None:
-    """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write); else None."""
+    """What went wrong, in words, when ``exc`` is a full disk (or torch's errno-less failed write, or
+    another library's, e.g. safetensors', that only says it in its text); else None."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
     if isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in _TORCH_WRITE_FAILED):
         return "a write failed (torch gives no reason; almost always no space left on device)"
+    for text in ("No space left on device", "Disk quota exceeded"):
+        if text in str(exc):
+            return text[0].lower() + text[1:]
     return None
+
+
+def size_text(num_bytes: int) -> str:
+    """``num_bytes`` for a person: "1.4 GB", "312 MB", "12 kB"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{1 if num_bytes < 10 * scale else 0}f} {unit}"
+    return f"{max(num_bytes // 1000, 1)} kB"
 
 
 def _save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
@@ -456,11 +468,14 @@ def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
     return state
 
 
-def export_hf(policy, tokenizer, target: Path, world) -> None:
+def export_hf(policy, tokenizer, target: Path, world, verb: str = "train") -> None:
     """Save the policy as one HF folder (full weights gathered under FSDP2), atomically.
 
     With LoRA the folder holds the merged weights under the base model's names (a plain HF model)
-    and, in ``adapter/``, the adapter alone as a peft folder."""
+    and, in ``adapter/``, the adapter alone as a peft folder. A full disk raises
+    :class:`DiskFullError` saying how much to free, after removing the partial folder: the run's
+    last checkpoint is written before the export, so ``mugrpo <verb> --resume`` (the run folder is
+    ``target``'s parent) only exports again."""
     state_dict = _full_state_dict(dist.full_state_items(policy, keep=world.is_main))
     adapter = _full_state_dict(dist.adapter_items(policy, keep=world.is_main)) if lora.has_lora(policy) else None
     if not world.is_main:
@@ -468,15 +483,28 @@ def export_hf(policy, tokenizer, target: Path, world) -> None:
         return
     target = Path(target)
     tmp = target.with_name(f".tmp-{target.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    if adapter is not None:
-        lora.save_adapter(policy, adapter, tmp / ADAPTER_DIR)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
-    dist.barrier()
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        policy.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        if adapter is not None:
+            lora.save_adapter(policy, adapter, tmp / ADAPTER_DIR)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except Exception as exc:
+        cause = write_failure(exc)
+        if cause is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        weights = sum(t.numel() * t.element_size() for sd in (state_dict, adapter or {}) for t in sd.values())
+        raise DiskFullError(
+            f"{cause} while writing the final model to {target} ({exc}). Nothing was lost: the partial folder "
+            f"was removed and training is done (its last checkpoint is intact). Free at least {size_text(weights)} "
+            f"(the model's weights) on that disk, e.g. older runs' checkpoints, then write the final model with: "
+            f"mugrpo {verb} --resume {target.parent}") from exc
+    finally:
+        dist.barrier()
 
 
 class GracefulStop:

@@ -16,9 +16,11 @@ from typing import Callable, Optional
 import torch
 
 from mugrpo import seeds
+from mugrpo.faults import maybe_die
 from mugrpo.evaluation.evaluate import (EnvEval, EvalSettings, Generations, generate_and_score, render_prompts,
-                                        summarize_generations)
+                                        stop_if_nothing_started, summarize_generations)
 from mugrpo.rollout.engines import weights_loaded
+from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
 from mugrpo.training.samplers import RolloutParts
 
@@ -46,7 +48,16 @@ class TrainingEvaluator:
 
     Under several ranks, each evaluates its share of the items with its own engine and rank 0
     logs the combined result (every rank must call, as for the weight push).
+
+    A stop request (:attr:`stopper`, a :class:`~mugrpo.training.checkpoint.GracefulStop` the loop
+    sets) ends an evaluation within one decode step, as it ends a stage's generation: an in-loop
+    one is abandoned without a record (the loop then checkpoints the update and stops; the resumed
+    run evaluates that update again at its start, :func:`due_in_loop`), a stage-end one raises
+    :class:`~mugrpo.training.checkpoint.Interrupted` before the stage is logged (the resume redoes
+    the stage's updates from its stored data, then evaluates).
     """
+
+    stopper = None
 
     def __init__(self, cfg, plan, world, parts: RolloutParts, policy, logger, progress, clock: Callable[[], float]):
         """``parts``: the run's engine, task, tokenizer and environment factory; ``policy``: whose
@@ -82,7 +93,11 @@ class TrainingEvaluator:
         if not self.enabled or stage_ends:
             return
         if due_in_loop(self.cfg.eval, state.update):
-            seconds = self._run(state)
+            try:
+                seconds = self._run(state)
+            except ckpt.Interrupted:  # abandoned: no record; the resume evaluates this update again
+                self._last_update = None
+                return
             if state.update_in_stage > 0:
                 self.in_loop_s += seconds
 
@@ -108,9 +123,10 @@ class TrainingEvaluator:
         with weights_loaded(self.engine, dist.full_state_items(self.policy)):  # a collective under FSDP2
             bar = self.progress.bar(n_seq, f"eval @ update {state.update}", unit="seq")
             gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts, self.settings,
-                                     progress=lambda n: self.progress.advance(bar, n), env=self.env)
+                                     progress=lambda n: self._advance(bar, n), env=self.env)
             self.progress.close(bar)
         gen = _gather(gen, self.settings, self.world)
+        stop_if_nothing_started(gen, self.env)  # every rank alike: on the combined counts
         seconds = time.perf_counter() - t0
         self._stage_s += seconds
         metrics = {f"eval/{k}": v for k, v in summarize_generations(gen, self.settings).items()}
@@ -126,6 +142,15 @@ class TrainingEvaluator:
         return seconds
 
 
+    def _advance(self, bar, n: int) -> None:
+        """The evaluation's progress, and its stop check (``n`` = 0: a decode step's heartbeat)."""
+        self.progress.advance(bar, n)
+        maybe_die("eval")
+        if self.stopper is not None and self.stopper.requested:
+            self.progress.close(bar)
+            raise ckpt.Interrupted(self.stopper.run_dir)
+
+
 def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:
     """Concatenate every rank's per-item outcomes (identity in a single process).
 
@@ -138,7 +163,8 @@ def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:
         return dist.gather_cat(torch.tensor(values, dtype=dtype))
 
     # Every rank joins (a rank may have no items, hence no counts); {} when no rank evaluated through an env.
-    out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts))
+    out = Generations(generate_s=gen.generate_s, env_counts=dist.sum_named_over_ranks(gen.env_counts),
+                      env_failures=gen.env_failures)
     out.env_rewards = {mode: cat(values).tolist() for mode, values in gen.env_rewards.items()}
     out.rewards = {mode: cat(values).tolist() for mode, values in gen.rewards.items()}
     if gen.greedy is not None:

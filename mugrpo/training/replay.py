@@ -25,6 +25,7 @@ from mugrpo.config import Config, ConfigError, from_dict, read_run_config
 from mugrpo.config.plan import make_plan
 from mugrpo.errors import UserError
 from mugrpo.run_dir import SHARDS_FILE, STAGE_METRICS_FILE, RunDir, RunDirError, atomic_write, shard_path, text_path
+from mugrpo.training.checkpoint import DiskFullError, size_text, write_failure
 from mugrpo.training.data import StageData, StageDataError, check_shard
 
 
@@ -173,7 +174,30 @@ def copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, *, need_t
                prompt_ids_of=None) -> int:
     """Copy the source's stage ``stage`` into ``dest_stage_dir`` (each shard checked, then written
     atomically; the completion marker last, so an interrupted copy is redone on resume). Returns
-    the number of groups copied. Run it on one process."""
+    the number of groups copied. Run it on one process.
+
+    A full disk raises :class:`mugrpo.training.checkpoint.DiskFullError` saying how much to free,
+    after removing the partial copy (``dest_stage_dir``, never marked complete): the resume it
+    advises copies the stage again."""
+    try:
+        return _copy_stage(source, stage, dest_stage_dir, need_trainer_logprobs, prompt_ids_of)
+    except OSError as exc:
+        cause = write_failure(exc)
+        if cause is None:
+            raise
+        shutil.rmtree(dest_stage_dir, ignore_errors=True)
+        src = stage_dir(source.run_dir, stage)
+        need = sum(p.stat().st_size for p in src.iterdir() if p.is_file())
+        run = Path(dest_stage_dir).parent.parent  # RUN_DIR/stages/stage_KKK
+        raise DiskFullError(
+            f"{cause} while copying stage {stage} of the replay source into {dest_stage_dir} ({exc}). Nothing was "
+            f"lost: the partial copy was removed (the source is untouched) and a resume copies the stage again. "
+            f"Free at least {size_text(need)} (the source stage's files) on that disk, then continue with: "
+            f"mugrpo train --resume {run}") from exc
+
+
+def _copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, need_trainer_logprobs: bool,
+                prompt_ids_of) -> int:
     src = stage_dir(source.run_dir, stage)
     if stage not in source.stages:
         raise ReplayError(f"replay source {str(source.run_dir)!r} has no complete stage {stage} ({src}/{SHARDS_FILE} "

@@ -24,6 +24,7 @@ import torch
 
 from mugrpo.algo.advantages import group_advantages
 from mugrpo.rollout.engines import SamplingConfig
+from mugrpo.rollout.envs.start import Skips
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, first_problems, loop_counts, roll_out_items
 from mugrpo.rollout.rewards import per_reward_counts
 from mugrpo.rollout.tasks import Task, limit_prompts, prompt_ids
@@ -108,20 +109,20 @@ class TrajectorySampler:
 
     def sample(self, indices: list[int], prompts: list[list[int]], sampling: SamplingConfig,
                on_batch: Callable[[int], None], reset_seed: int) -> Batch:
-        skipped: list[str] = []  # items whose environment failed to start: left out, as too-long prompts are
+        skipped = Skips()  # items whose environment failed to start: left out, as too-long prompts are
         kept, prompts, trajs = roll_out_items(self.ctx, self.parts.env_factory,
                                               [self.parts.task.items[i] for i in indices], sampling,
                                               reset_seed=reset_seed, select=self._select, progress=on_batch,
                                               skipped=skipped)
         problems = first_problems(trajs)
-        if skipped:
-            problems = {"start_error": skipped[0], **problems}
+        if skipped.failures:
+            problems = {"start_error": skipped.failures[0], **problems}
         return Batch([indices[g] for g in kept], prompts, [t.response_ids for t in trajs],
                      [t.behavior_logprobs for t in trajs],
                      torch.tensor([not t.truncated for t in trajs], dtype=torch.bool), [t.final_text for t in trajs],
                      env_rewards=torch.tensor([t.env_reward for t in trajs], dtype=torch.float32),
                      turns=[t.turns for t in trajs],
-                     env_counts={**loop_counts(trajs), "env/num_items_skipped": float(len(skipped))},
+                     env_counts={**loop_counts(trajs), "env/num_items_skipped": float(len(skipped.failures))},
                      env_problems=problems)
 
     def _select(self, prompts: list[list[int]]) -> list[int]:

@@ -41,7 +41,7 @@ from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.models import lora
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
-from mugrpo.rollout.envs.build import build_env_factory
+from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
 from mugrpo.rollout.tasks import Task, build_task
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -78,8 +78,8 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s.
     ``replay``: a run directory whose stages this run trains on instead of generating its own
     (:mod:`mugrpo.training.replay`; a resumed run replays the source it recorded)."""
-    rd = RunDir(run_dir)
     world = dist.init(cfg.parallel.timeout_s)
+    rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     plan = make_plan(cfg, world.size)
     if resume and replay is not None:
         raise replay_mod.ReplayError("--replay starts a new run; a resumed run replays the source it recorded "
@@ -111,6 +111,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
                 replay_mod.record_source(rd.path, source)
         trainer.start()
         stopper = ckpt.GracefulStop(rd.path)
+        trainer.evaluator.stopper = stopper
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
         while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             data, stage_metrics = trainer.source.stage(trainer.state, stopper)
@@ -216,11 +217,16 @@ class Trainer:
             ckpt.truncate_metrics(self.run_dir.metrics, self.state, self.cfg.eval)
 
     def start(self) -> None:
-        """Open the logger, print the plan, and set up evaluation."""
+        """Open the logger, print the plan (and what the environment is, as ``mugrpo plan`` says it), and
+        set up evaluation."""
         cfg, world = self.cfg, self.world
         self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
         if world.is_main:
             print(format_plan(self.plan, cfg, self.resolved))
+            # From the start-up check's first environment (build_env_factory): no environment is made for it.
+            summary = getattr(self.parts.env_factory, "summary", None) if self.parts is not None else None
+            print(format_rows(describe_env(summary) + turn_budget_rows(
+                summary, self.parts.tokenizer if summary else None, cfg.rollout.max_new_tokens, cfg.env)), end="")
             for note in self.resolved.notes + _layout_notes(self.policy, cfg):
                 print(f"[mugrpo] {note}")
         self.t_start = time.perf_counter() - self.state.elapsed_s

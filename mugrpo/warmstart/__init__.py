@@ -5,7 +5,9 @@
 - :mod:`.render`: a demonstration as ids, loss mask and turn indices, rendered exactly as the
   rollout loop renders the same conversation (the mask = a trajectory's policy tokens);
 - :mod:`.demos`: demonstrations without a teacher (solved calculator traces; a run's high-reward
-  trajectories).
+  trajectories);
+- :mod:`.source`: where ``warmstart.data``'s examples come from (a file, rows given from Python, or
+  an earlier run's directory: rejection sampling with ``warmstart.min_reward``), checked at start.
 
 - :mod:`.loss`: the masked token-mean NLL and the seeded data order (pure);
 - :mod:`.phase`: the training phase (``mugrpo sft``, and the warm start of ``mugrpo train``), built

@@ -99,13 +99,14 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
 def select_from_run(run_dir: str | Path, min_reward: float, finished_only: bool = True) -> tuple[list[Example], dict]:
     """The trajectories of ``run_dir``'s complete stages with reward >= ``min_reward``, and the counts
     ``num_total`` (trajectories read), ``num_kept``, ``num_unfinished`` (rewarded enough but cut at
-    the token budget: left out when ``finished_only``) and ``num_stages`` (complete stages read).
+    the token budget: left out when ``finished_only``), ``num_stages`` (complete stages read) and
+    ``reward_max`` (the best reward read; None when none was).
 
     Each example's ``source`` is ``(stage, shard, sequence)``; its mask is the stored policy tokens
     (``turns >= 0``; every response token of single-turn data). A stage folder without
     ``shards.json`` is still being written (or was interrupted) and is skipped."""
     examples: list[Example] = []
-    counts = {"num_total": 0, "num_kept": 0, "num_unfinished": 0, "num_stages": 0}
+    counts = {"num_total": 0, "num_kept": 0, "num_unfinished": 0, "num_stages": 0, "reward_max": None}
     for folder in sorted(RunDir(run_dir).stages.glob("stage_*")):
         marker = folder / SHARDS_FILE
         if not marker.is_file():
@@ -116,7 +117,9 @@ def select_from_run(run_dir: str | Path, min_reward: float, finished_only: bool 
             data = StageData.load(shard_path(folder, shard))
             for s, response in enumerate(data.responses):
                 counts["num_total"] += 1
-                if float(data.rewards[s]) < min_reward:
+                reward = float(data.rewards[s])
+                counts["reward_max"] = reward if counts["reward_max"] is None else max(counts["reward_max"], reward)
+                if reward < min_reward:
                     continue
                 if finished_only and not bool(data.finished[s]):
                     counts["num_unfinished"] += 1

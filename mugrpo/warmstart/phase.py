@@ -35,10 +35,9 @@ from mugrpo.config import Config, ConfigError, from_dict, read_run_config, to_di
 from mugrpo.config.plan import make_plan
 from mugrpo.faults import maybe_die
 from mugrpo.hardware import detect, resolve
-from mugrpo.models.loading import load_tokenizer, model_context, resolve_model_path
+from mugrpo.models.loading import load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
-from mugrpo.rollout.envs.build import resolve_tools
 from mugrpo.run_dir import RunDir
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -48,9 +47,10 @@ from mugrpo.training.data import StageData
 from mugrpo.training.forward import response_logprobs
 from mugrpo.training.model_parts import ModelParts, TrainingError, build_model, step_optimizer
 from mugrpo.training.update import with_fillers
-from mugrpo.warmstart.data import Demonstration, DemonstrationError, load_demonstrations
+from mugrpo.warmstart.data import DemonstrationError
 from mugrpo.warmstart.loss import num_steps, sft_loss, step_examples
-from mugrpo.warmstart.render import ENV_TURN, Example, render_demonstrations
+from mugrpo.warmstart.render import ENV_TURN, Example
+from mugrpo.warmstart.source import Source, load_source, max_length_for
 
 SFT_TEMPERATURE = 1.0
 """The warm start fits the model's own distribution: log-probs at temperature 1, whatever
@@ -67,20 +67,11 @@ def as_stage_data(examples: list[Example]) -> StageData:
                      torch.ones(n, dtype=torch.bool), list(range(n)), 1, turns=turns)
 
 
-def load(cfg: Config) -> list[Demonstration]:
-    """``warmstart.data``'s demonstrations, with the task's prompt rendering and ``task.tools``;
-    DemonstrationError (the CLI exits 2) for a file or row that cannot be used."""
-    if cfg.warmstart.data is None:
-        raise ConfigError("warmstart.data is not set: give the demonstrations, e.g. warmstart.data=demos.jsonl "
-                          "(.jsonl, .json or .parquet; docs/WARMSTART.md)")
-    try:
-        return load_demonstrations(Path(cfg.warmstart.data).expanduser(), tools=resolve_tools(cfg.task.tools),
-                                   task_cfg=cfg.task, split_calls=cfg.warmstart.split_calls)
-    except (DemonstrationError, ConfigError):
-        raise
-    except (ValueError, OSError) as exc:  # e.g. a .json or .parquet file that does not parse
-        raise DemonstrationError(f"warmstart.data={cfg.warmstart.data}: cannot be read "
-                                 f"({' '.join(str(exc).split()) or type(exc).__name__})") from exc
+def load(cfg: Config, rows: list | None = None) -> Source:
+    """``warmstart.data``'s source (:func:`mugrpo.warmstart.source.load_source`: demonstrations, or a
+    run's selected trajectories; ``rows``: those given from Python); the CLI exits 2 for one that
+    cannot be used."""
+    return load_source(cfg, rows)
 
 
 @dataclass(eq=False)
@@ -101,18 +92,19 @@ class WarmStart:
     t_start: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def build(cls, cfg: Config, world, run_dir: RunDir, demos: list[Demonstration]) -> "WarmStart":
-        """Render ``demos`` with the model's tokenizer (printing the length rule's counts), then build
-        the model side with the warm start's learning rate and a schedule over its steps."""
+    def build(cls, cfg: Config, world, run_dir: RunDir, source: Source) -> "WarmStart":
+        """Make ``source``'s examples with the model's tokenizer (printing the length rule's counts), then
+        build the model side with the warm start's learning rate and a schedule over its steps."""
         ws = cfg.warmstart
         model_path = dist.broadcast_object(resolve_model_path(cfg.model.name, cfg.model.cache_dir)
                                            if world.is_main else None)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        max_length = ws.max_length or model_context(model_path, cfg.model.trust_remote_code) or (
-            cfg.task.max_prompt_tokens + cfg.rollout.max_new_tokens)
-        examples, counts = render_demonstrations(tokenizer, demos, max_length)
+        max_length = max_length_for(cfg, model_path)
+        examples, counts = source.examples(tokenizer, max_length)
         if world.is_main:
-            print(f"[mugrpo] warm start: {counts['num_demonstrations']} demonstrations, {counts['num_truncated']} "
+            if source.trajectories is not None:
+                print(f"[mugrpo] warm start (rejection sampling): {source.describe()}")
+            print(f"[mugrpo] warm start: {counts['num_demonstrations']} examples, {counts['num_truncated']} "
                   f"cut to max_length={max_length} tokens, {counts['num_dropped']} dropped (no trained token left), "
                   f"{counts['num_loss_tokens']} trained tokens")
         if not examples:
@@ -138,7 +130,11 @@ class WarmStart:
     def gradients(self, seqs: list[int]) -> tuple[float, float]:
         """Accumulate the gradient of the step of examples ``seqs`` (this rank's share of them, micro-batched
         under ``schedule.micro_batch_tokens``): the NLL divided by the whole step's trained tokens.
-        Returns (the step's mean NLL, its trained tokens)."""
+
+        Every rank holds every example, so the normaliser is counted from ``seqs`` alone: the global
+        token count with no collective. Returns (the step's mean NLL, the trained tokens the ranks'
+        forwards covered), both summed over ranks in one all-reduce: the count equals the normaliser
+        when the ranks' shares cover the step once (tests/test_sft_distributed.py reads it)."""
         data, world, m = self.data, self.world, self.model
         num_tokens = float(sum(data.num_policy_tokens(s) for s in seqs))
         layout = {"shared": False, "budget": self.cfg.schedule.micro_batch_tokens,
@@ -146,7 +142,7 @@ class WarmStart:
         mine = seqs[world.rank::world.size]
         batches, real = with_fillers([b.to(m.device) for b in micro_batches(data, mine, **layout)],
                                      lambda: [b.to(m.device) for b in micro_batches(data, seqs[:1], **layout)])
-        nll = torch.zeros(())
+        nll, covered = torch.zeros(()), torch.zeros(())
         for i, mb in enumerate(batches):
             with dist.no_sync_unless_last(m.policy, i == len(batches) - 1):
                 logprobs, _ = response_logprobs(m.policy, mb, SFT_TEMPERATURE, self.autocast, False, False)
@@ -156,11 +152,13 @@ class WarmStart:
                 (loss * world.size).backward()  # DDP/FSDP average over ranks; the loss is a share of the sum
             if i < real:
                 nll = nll + summed.float().cpu()
+                covered = covered + mb.response_mask.sum().float().cpu()
         if not batches:  # a rank without examples: a zero gradient, so every rank steps alike
             for p in m.policy.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        return float(dist.sum_over_ranks(nll.reshape(1))[0]) / max(num_tokens, 1.0), num_tokens
+        nll, covered = dist.sum_over_ranks(torch.stack([nll, covered])).tolist()
+        return nll / max(num_tokens, 1.0), covered
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) and drop metric records from beyond it (all of them without one)."""
@@ -197,29 +195,33 @@ class WarmStart:
                              "time_s": time.perf_counter() - self.t_start, **metrics})
             progress.advance(bar, 1)
             maybe_die("sft_step")
-            if state.update < self.total_steps and (stopper.requested or (every and state.update % every == 0)):
+            # A signal may reach the ranks a step apart: all stop after the step one of them saw it in
+            # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
+            stop = dist.max_over_ranks(int(stopper.requested)) > 0
+            if state.update < self.total_steps and (stop or (every and state.update % every == 0)):
                 self.save()
-                if stopper.requested:
+                if stop:
                     raise ckpt.Interrupted(self.run_dir.path, "sft")
         progress.close(bar)
         if state.update and state.num_skipped_updates >= state.update:
             raise TrainingError(f"all {state.update} warm-start steps were skipped for a non-finite loss or gradient; "
                                 "no model was written. Lower warmstart.lr or set train.autocast=none")
         self.save()  # the end: a resume after the export finds nothing left to do
-        ckpt.export_hf(self.model.policy, self.model.tokenizer, self.run_dir.final_model, world)
+        ckpt.export_hf(self.model.policy, self.model.tokenizer, self.run_dir.final_model, world, "sft")
         return self.run_dir.final_model
 
     def close(self) -> None:
         self.logger.close()
 
 
-def sft(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
+def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None) -> Path:
     """Run (or resume) a warm-start-only run in ``run_dir``; returns its final model folder, an HF
     folder that ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
-    :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own)."""
-    rd = RunDir(run_dir)
+    :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own);
+    ``rows``: the demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``)."""
     world = dist.init(cfg.parallel.timeout_s)
-    demos = load(cfg)  # a bad file stops here, before any model loads or anything is written
+    rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
+    source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
     lock = phase = stopper = None
     failed_new_run, existed = False, rd.path.is_dir()
     if resume:
@@ -228,7 +230,7 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False) -> Path:
     else:
         ckpt.check_run_dir_free(rd.path)
     try:
-        phase = WarmStart.build(cfg, world, rd, demos)
+        phase = WarmStart.build(cfg, world, rd, source)
         if resume:
             phase.resume()
         else:

@@ -38,7 +38,7 @@ from typing import Any, Optional
 from mugrpo.rollout.envs import render as rollout_render
 from mugrpo.warmstart.data import Demonstration, DemonstrationError
 
-__all__ = ["ENV_TURN", "Example", "render_demonstration", "render_demonstrations", "truncate"]
+__all__ = ["ENV_TURN", "Example", "render_demonstration", "render_demonstrations", "hold_to_length", "truncate"]
 
 ENV_TURN = -1
 """The turn index of an environment token (``StageData.turns``' convention)."""
@@ -109,17 +109,22 @@ def render_demonstrations(tokenizer, demos: list[Demonstration], max_length: int
     """Every demonstration rendered and held to ``max_length`` tokens, and the counts:
     ``num_demonstrations``, ``num_truncated`` (kept, cut), ``num_dropped`` (nothing trained left),
     ``num_loss_tokens`` (over the kept examples)."""
+    return hold_to_length([render_demonstration(tokenizer, demo) for demo in demos], max_length)
+
+
+def hold_to_length(examples: list[Example], max_length: int) -> tuple[list[Example], dict]:
+    """``examples`` held to ``max_length`` tokens (:func:`truncate`), with the counts of
+    :func:`render_demonstrations`."""
     if max_length < 2:
         raise ValueError(f"max_length must be >= 2 (a prompt token and a trained one), got {max_length}")
-    examples, num_truncated, num_dropped = [], 0, 0
-    for demo in demos:
-        full = render_demonstration(tokenizer, demo)
+    kept, num_truncated, num_dropped = [], 0, 0
+    for full in examples:
         cut = truncate(full, max_length)
         if cut is None:
             num_dropped += 1
             continue
         num_truncated += cut is not full
-        examples.append(cut)
-    counts = {"num_demonstrations": len(demos), "num_truncated": num_truncated, "num_dropped": num_dropped,
-              "num_loss_tokens": sum(e.num_loss_tokens for e in examples)}
-    return examples, counts
+        kept.append(cut)
+    counts = {"num_demonstrations": len(examples), "num_truncated": num_truncated, "num_dropped": num_dropped,
+              "num_loss_tokens": sum(e.num_loss_tokens for e in kept)}
+    return kept, counts

@@ -240,7 +240,7 @@ class VLLMEngine:
         if not prompts:
             return []
         params = self._sampling_params(sampling, len(prompts), max_new_tokens)
-        with _keep_global_rng():
+        with _keep_global_rng(), _heartbeat(self.llm.llm_engine, progress):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
                                         use_tqdm=_progress_bar(progress) if progress is not None else False)
         return [[_completion(o) for o in sorted(out.outputs, key=lambda o: o.index)] for out in outputs]
@@ -354,6 +354,40 @@ def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
         # FlatLogprobs with exactly one entry per position (logprobs=0): already the answer.
         return list(logprobs.logprobs)
     return [position[t].logprob for position, t in zip(logprobs, token_ids, strict=True)]
+
+
+@contextlib.contextmanager
+def _heartbeat(engine, progress: Optional[ProgressFn]):
+    """Call ``progress(0)`` after every engine step (one decode step of the running batch) while
+    ``generate`` runs, as the HF engine does, so a stop request raised from ``progress`` ends the
+    call within one step rather than at the next finished prompt (at worst the whole call: about a
+    minute on the default job on CPU). If the call ends by an exception (that stop, Ctrl-C), its
+    unfinished requests are aborted, so the engine holds nothing of it for the next call.
+
+    vLLM 0.32: ``LLM.generate`` loops ``llm_engine.step()`` in this thread (``LLM._run_engine``);
+    the step is wrapped on the engine instance for the call only. ``output_processor.external_req_ids``
+    holds the ids of the requests still running; ``abort_request`` takes them (and their n samples).
+    """
+    if progress is None:
+        yield
+        return
+    step = engine.step
+
+    def step_and_beat():
+        out = step()
+        progress(0)
+        return out
+
+    engine.step = step_and_beat
+    try:
+        yield
+    except BaseException:
+        running = list(getattr(engine.output_processor, "external_req_ids", {}))
+        if running:
+            engine.abort_request(running)
+        raise
+    finally:
+        del engine.step  # the class's own method again
 
 
 def _progress_bar(progress: ProgressFn):

@@ -15,16 +15,21 @@ The keys read (their schema and documentation live with the config):
   (:func:`mugrpo.rollout.calls.process_tool_runner`).
 
 Mistakes raise :class:`mugrpo.errors.ConfigError` naming the key, at start: the factory is tried
-(two instances made and closed) before any stage runs, and what they are is checked: a ``max_turns``
+(two instances made and closed, each call bounded by ``env.reset_timeout_s``, an exception or a
+timeout reported with the key) before any stage runs, and what they are is checked: a ``max_turns``
 of at least 1, and the same stop strings (one engine call samples a whole stage's turns, so its
-environments must agree on where a turn ends). :func:`describe_env` says what the factory makes
-(``mugrpo plan`` prints it). This module knows nothing about the loop.
+environments must agree on where a turn ends). What the first instance was is kept with the factory
+(:class:`CheckedFactory`, its :class:`EnvSummary`); :func:`describe_env` and :func:`turn_budget_rows`
+say it from there, without making another environment (``mugrpo plan`` and ``mugrpo train`` print
+it, and a run's environment calls, which a hostile environment may count, are the same with or
+without it). This module knows nothing about the loop.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from mugrpo.errors import ConfigError, UserError
@@ -34,7 +39,29 @@ from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
-__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score", "turn_budget_rows"]
+__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score", "turn_budget_rows", "CheckedFactory",
+           "EnvSummary", "format_rows"]
+
+
+@dataclass(frozen=True)
+class EnvSummary:
+    """What the start-up check's first environment was."""
+
+    name: str
+    """``module.QualName`` of its class."""
+    tools: tuple[str, ...]
+    """Its tools' names (``()`` also when ``tools()`` failed: ``tools_error`` says so)."""
+    tools_error: Optional[str]
+    """Why ``tools()`` gave no list (it raised or hung), or None."""
+    max_turns: int
+    stop: tuple[str, ...]
+
+
+class CheckedFactory(functools.partial):
+    """An environment factory (a ``functools.partial``) that passed the start-up check; ``summary``:
+    what its first environment was."""
+
+    summary: EnvSummary
 
 
 def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
@@ -53,14 +80,14 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
             return None
         runner = process_tool_runner() if getattr(env_cfg, "tool_isolation", "thread") == "process" else None
         return _checked(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s, runner),
-                        "task.tools")
+                        "task.tools", _timeout(env_cfg))
     if tools:
         raise ConfigError("task.tools with task.env: tools make their own environment (a tool environment); "
                           "give the tools to your environment's tools() instead, or drop task.env")
     target = _resolve_env(spec)
     if isinstance(target, type) and issubclass(target, Environment):
         return _checked(functools.partial(target, **_defaults(target, args, env_cfg, task)), "task.env_args",
-                        "max_turns" in args)
+                        _timeout(env_cfg), "max_turns" in args)
     if not callable(target):
         raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
     return _from_callable(target, args, env_cfg)
@@ -101,32 +128,38 @@ def _defaults(cls, args: dict, env_cfg, task) -> dict:
 
 def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
     """A callable returning an Environment, or a TRL ``environment_factory``."""
-    try:
-        probe = make(**args)
-    except Exception as exc:  # noqa: BLE001 - user code: report, with the key
-        raise ConfigError(f"task.env: calling {getattr(make, '__name__', make)!r} with task.env_args={args} "
-                          f"failed: {type(exc).__name__}: {exc}") from exc
+    r = CallRunner(1).run([lambda: make(**args)], _timeout(env_cfg), name="mugrpo-env-check")[0]
+    if not r.ok:  # user code: report, with the key
+        why = (f"ran past env.reset_timeout_s={_timeout(env_cfg):g} s" if r.timed_out
+               else f"failed: {_what(r)}")
+        raise ConfigError(f"task.env: calling {getattr(make, '__name__', make)!r} with task.env_args={args} {why}")
+    probe = r.value
     if isinstance(probe, Environment):
-        _close_bounded([probe])
-        return _checked(functools.partial(make, **args), "task.env", "max_turns" in args)
+        _close_bounded([probe], _timeout(env_cfg))
+        return _checked(functools.partial(make, **args), "task.env", _timeout(env_cfg), "max_turns" in args)
     if args:
         raise ConfigError(f"task.env_args={args}: a TRL environment_factory is called without arguments")
     return _checked(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s),
-                    "task.env")
+                    "task.env", _timeout(env_cfg))
 
 
-def _checked(factory: EnvFactory, key: str, max_turns_given: bool = False) -> EnvFactory:
+def _timeout(env_cfg) -> float:
+    return getattr(env_cfg, "reset_timeout_s", 60.0)
+
+
+def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_given: bool = False) -> CheckedFactory:
     """``factory`` once it has made (and closed) two environments with a valid ``max_turns`` and the
-    same stop strings; ConfigError naming ``key`` if not (``task.env_args.max_turns`` when
-    ``max_turns_given``: the value came from there)."""
-    envs = []
+    same stop strings, with what the first was; ConfigError naming ``key`` if not
+    (``task.env_args.max_turns`` when ``max_turns_given``: the value came from there). Each call into
+    the environment's code (the two factory calls, the first's ``tools()``, the closes) is bounded by
+    ``timeout_s``; a ``tools()`` that fails is the stage's to count (each item's is), so it is only noted."""
+    runner, envs = CallRunner(1), []
     try:
         for _ in range(2):
-            envs.append(factory())
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key}: {exc}") from exc
+            envs.append(_make_checked(runner, factory, key, timeout_s))
+        tools = runner.run([lambda: list(envs[0].tools())], timeout_s, name="mugrpo-env-check")[0]
     finally:
-        _close_bounded(envs)
+        _close_bounded(envs, timeout_s)
     first, second = envs
     name = type(first).__name__
     key = "task.tools" if key == "task.tools" else "task.env"  # what the environments are, not their arguments
@@ -144,39 +177,62 @@ def _checked(factory: EnvFactory, key: str, max_turns_given: bool = False) -> En
                           f"{tuple(stops[0])!r}, {type(second).__name__}: {tuple(stops[1])!r}); the environments of "
                           "one run must share their stop strings (one engine call samples every trajectory's "
                           "turn): give them the same stop tuple")
-    return factory
+    checked = CheckedFactory(factory.func, *factory.args, **factory.keywords)
+    checked.summary = EnvSummary(f"{type(first).__module__}.{type(first).__qualname__}",
+                                 tuple(getattr(t, "__name__", type(t).__name__) for t in tools.value or ()),
+                                 _tools_error(tools, name, timeout_s), turns, tuple(stops[0]))
+    return checked
 
 
-def describe_env(factory: Optional[EnvFactory]) -> list[tuple[str, str]]:
-    """(label, value) rows of what ``factory`` makes: its name, tools, max turns and stop strings
-    (one instance made and closed); [] for a single-turn run."""
-    if factory is None:
+def _make_checked(runner: CallRunner, factory: functools.partial, key: str, timeout_s: float) -> Environment:
+    """One environment from ``factory``, made bounded; ConfigError naming ``key`` if the call raised or hung."""
+    target = getattr(factory.func, "__qualname__", None) or type(factory.func).__name__
+    r = runner.run([factory], timeout_s, name="mugrpo-env-check")[0]
+    if r.timed_out:
+        raise ConfigError(f"{key}: making the environment ({target}) at start ran past env.reset_timeout_s="
+                          f"{timeout_s:g} s")
+    if isinstance(r.exception, (TypeError, ValueError)):  # most often arguments it does not take
+        raise ConfigError(f"{key}: {r.exception}") from r.exception
+    if r.error is not None:
+        raise ConfigError(f"{key}: making the environment ({target}) at start failed: {_what(r)}\n{r.error}")
+    return r.value
+
+
+def _what(r) -> str:
+    """A failed call in one line: the exception (or, for a refused call, the runner's reason)."""
+    return f"{type(r.exception).__name__}: {r.exception}" if r.exception is not None else r.error.strip()
+
+
+def _tools_error(r, name: str, timeout_s: float) -> Optional[str]:
+    if r.timed_out:
+        return f"{name}.tools() ran past env.reset_timeout_s={timeout_s:g} s"
+    if r.error is not None:
+        return f"{name}.tools() raised {_what(r)}"
+    return None
+
+
+def describe_env(summary: Optional[EnvSummary]) -> list[tuple[str, str]]:
+    """(label, value) rows of what a checked factory makes (``factory.summary``): its name, tools, max
+    turns and stop strings; [] for a single-turn run (None)."""
+    if summary is None:
         return []
-    env = factory()
-    try:
-        tools = [getattr(t, "__name__", type(t).__name__) for t in env.tools()]
-        return [("environment", f"{type(env).__module__}.{type(env).__qualname__}"),
-                ("environment tools", ", ".join(tools) if tools else "none"),
-                ("environment max turns", str(env.max_turns)),
-                ("environment stop strings", ", ".join(repr(s) for s in env.stop) if env.stop else "none (EOS only)")]
-    finally:
-        _close_bounded([env])
+    tools = ", ".join(summary.tools) if summary.tools else "none"
+    return [("environment", summary.name),
+            ("environment tools", f"unknown: {summary.tools_error}" if summary.tools_error else tools),
+            ("environment max turns", str(summary.max_turns)),
+            ("environment stop strings", ", ".join(repr(s) for s in summary.stop) if summary.stop else "none (EOS only)")]
 
 
-def turn_budget_rows(factory: Optional[EnvFactory], tokenizer, max_new_tokens: int, env_cfg) -> list[tuple[str, str]]:
+def turn_budget_rows(summary: Optional[EnvSummary], tokenizer, max_new_tokens: int, env_cfg) -> list[tuple[str, str]]:
     """(label, value) rows of what one environment turn costs in template tokens (an empty observation
     rendered by the model's tokenizer, :func:`mugrpo.rollout.envs.render.env_turn_ids`) and how many
     policy turns ``rollout.max_new_tokens`` allows at the per-turn cap; [] for a single-turn run."""
     from mugrpo.rollout.envs.render import env_turn_ids
 
-    if factory is None:
+    if summary is None:
         return []
-    env = factory()
-    try:
-        role = "tool" if env.tools() else "user"
-        turns = min(env_cfg.max_turns, env.max_turns)
-    finally:
-        _close_bounded([env])
+    role = "tool" if summary.tools else "user"
+    turns = min(env_cfg.max_turns, summary.max_turns)
     message = {"role": role, "content": ""} if role == "user" else {"role": "tool", "name": "tool", "content": ""}
     template = len(env_turn_ids(tokenizer, [message], True))
     per_turn = min(env_cfg.max_tokens_per_turn or max_new_tokens, max_new_tokens)
@@ -189,6 +245,14 @@ def turn_budget_rows(factory: Optional[EnvFactory], tokenizer, max_new_tokens: i
                                 f"{'' if env_cfg.max_tokens_per_turn else ' unset: rollout.max_new_tokens'})"),
             ("turns the budget allows", f"{fit} policy turns at the cap within rollout.max_new_tokens="
                                         f"{max_new_tokens} (max turns {turns}; fewer with long observations)")]
+
+
+def format_rows(rows: list[tuple[str, str]]) -> str:
+    """``rows`` as ``mugrpo plan`` prints them: labels padded to one width, a line each; "" for none."""
+    if not rows:
+        return ""
+    width = max(len(k) for k, _ in rows)
+    return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 
 
 def _close_bounded(envs: list[Environment], timeout_s: float = 30.0) -> None:

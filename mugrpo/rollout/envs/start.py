@@ -11,23 +11,27 @@ Every call into the environment's code here (the factory call, ``reset``, ``tool
 ``close`` of what was made when a group fails) runs on :class:`mugrpo.rollout.calls.CallRunner`,
 each bounded by ``timeout_s`` (``env.reset_timeout_s``; a close by the same). An item whose
 environment cannot be made or reset (an exception, a timeout, messages that are not chat
-messages) fails: with ``skip=True`` it is left out (its whole group: the others' environments are
-closed) and reported in :attr:`Started.failures`; with ``skip=False`` (evaluation) the first failure
-stops with a :class:`mugrpo.errors.TaskError`. Every item failing always stops, naming the
-environment and the first error with its traceback. Two resets of one item that give different
-prompts are the environment's design error and always stop. This module knows nothing about engines.
+messages) fails: with a :class:`Skips` it is left out (its whole group: the others' environments are
+closed) and reported in :attr:`Skips.failures` (and :attr:`Started.failures`); without one the
+first failure stops with a :class:`mugrpo.errors.TaskError`. Every item failing stops, naming the
+environment and the first error with its traceback, unless ``Skips.none_left_stops`` is False: then
+nothing is started and the caller decides (evaluation decides over every mode and rank,
+:mod:`mugrpo.evaluation.evaluate`). Two resets
+of one item that give different prompts are the environment's design error and always stop. This
+module knows nothing about engines.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from mugrpo.errors import TaskError
 from mugrpo.rollout.calls import CallRunner
 from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.render import trajectory_prompt_ids
 
-__all__ = ["start_trajectories", "reset_seed", "Started"]
+__all__ = ["start_trajectories", "reset_seed", "Started", "Skips", "env_name"]
 
 
 def reset_seed(seed: int, item_index: int, member: int) -> int:
@@ -49,12 +53,23 @@ class Started:
     """One per item left out: what failed, with its traceback."""
 
 
+@dataclass
+class Skips:
+    """How items whose environment fails to start are skipped, and what failed."""
+
+    failures: list[str] = field(default_factory=list)
+    """One per item left out: what failed, with its traceback (appended to as items fail)."""
+    none_left_stops: bool = True
+    """Every item failing stops (a TaskError naming the environment and the first error); False:
+    nothing is started and the caller decides."""
+
+
 class _ItemFailed(Exception):
     pass
 
 
 def start_trajectories(factory: EnvFactory, items: list, group_size: int, seed: int, tokenizer, task_cfg,
-                       timeout_s: float = 60.0, skip: bool = False) -> Started:
+                       timeout_s: float = 60.0, skip: Optional[Skips] = None) -> Started:
     """G made and reset environments per item, and each group's prompt (see the module docstring)."""
     runner, out = CallRunner(1), Started()
     try:
@@ -65,9 +80,10 @@ def start_trajectories(factory: EnvFactory, items: list, group_size: int, seed: 
                                       group, (tokenizer, task_cfg, timeout_s))
             except _ItemFailed as exc:
                 _close_quietly(runner, group, timeout_s)
-                if not skip:
+                if skip is None:
                     raise TaskError(str(exc)) from None
                 out.failures.append(str(exc))
+                skip.failures.append(str(exc))
                 continue
             except BaseException:
                 _close_quietly(runner, group, timeout_s)
@@ -78,8 +94,8 @@ def start_trajectories(factory: EnvFactory, items: list, group_size: int, seed: 
     except BaseException:
         _close_quietly(runner, out.envs, timeout_s)
         raise
-    if items and not out.kept:
-        raise TaskError(f"every item of this stage failed to start its environment ({_name(factory)}), so there "
+    if items and not out.kept and (skip is None or skip.none_left_stops):
+        raise TaskError(f"every item of this stage failed to start its environment ({env_name(factory)}), so there "
                         f"is nothing to generate: {len(out.failures)} of {len(items)} failed. The first:\n"
                         f"{out.failures[0]}")
     return out
@@ -93,7 +109,7 @@ def _start_group(runner: CallRunner, factory: EnvFactory, item, seeds: list[int]
     where = f"on item {item.question[:60]!r}"
     messages = []
     for _ in seeds:  # all made, then all reset: the order of the calls as ever
-        group.append(_guarded(runner, factory, timeout_s, f"making the environment ({_name(factory)})", where))
+        group.append(_guarded(runner, factory, timeout_s, f"making the environment ({env_name(factory)})", where))
     for env, s in zip(group, seeds):
         messages.append(_check_messages(env, _guarded(runner, lambda: env.reset(item, s), timeout_s,
                                                       f"{type(env).__name__}.reset", where)))
@@ -129,7 +145,8 @@ def _check_messages(env: Environment, messages):
     return messages
 
 
-def _name(factory) -> str:
+def env_name(factory) -> str:
+    """The name of what ``factory`` makes (a class's or a function's), for messages."""
     target = getattr(factory, "func", factory)  # a functools.partial
     return getattr(target, "__qualname__", None) or type(target).__name__
 
