@@ -8,6 +8,14 @@ exit. For scale it also runs the same stage uninterrupted and reports its genera
 Writes ``benchmarks/results/stop_latency.json``; never asserts on time.
 
     PYTHONPATH=. python benchmarks/stop_latency.py [--max-new-tokens 256] [--delay-s 3]
+
+``--default-job`` measures the README's default job instead (``mugrpo train`` with no overrides:
+SmolLM2-135M-Instruct, vLLM when installed), twice: a SIGTERM during its starting evaluation
+(``--eval-delay-s`` after the plan is printed) and one during stage 0's generation (``--delay-s``
+after the starting evaluation's record is written). Run it with ``.venv-vllm/bin/python``; writes
+``benchmarks/results/stop_latency_default.json``.
+
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/stop_latency.py --default-job
 """
 
 from __future__ import annotations
@@ -67,12 +75,67 @@ def full_stage_generate_s(run_dir: Path, model: str, max_new_tokens: int) -> flo
     raise RuntimeError("no stage record")
 
 
+def _default_job_stop(run_dir: Path, phase: str, delay_s: float) -> dict:
+    """SIGTERM to the default job in ``phase`` ("eval": the starting evaluation; "generate": stage 0's
+    generation, after the starting evaluation's record); seconds from the signal to the exit."""
+    cmd = [sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir), "train.progress=false"]
+    env = {**_env(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    engine = ""
+    for line in proc.stdout:
+        if "rollout engine" in line:
+            engine = line.split(None, 2)[-1].strip()
+            break
+    t_plan = time.perf_counter()
+    if phase == "generate":
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and '"kind": "eval"' in metrics.read_text()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the default job ended (exit {proc.returncode}) before its first evaluation")
+            time.sleep(0.5)
+    time.sleep(delay_s)
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if x.strip()] if (run_dir / "metrics.jsonl").exists() else []
+    t_signal = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    tail = proc.communicate()[0]
+    stop_s = time.perf_counter() - t_signal
+    after = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {"phase": phase, "rollout_engine": engine, "signal_after_s": round(t_signal - t_plan, 1),
+            "records_at_signal": [r["kind"] for r in records], "records_at_exit": [r["kind"] for r in after],
+            "sigterm_to_exit_s": round(stop_s, 2), "exit_code": proc.returncode,
+            "stage_written": (run_dir / "stages" / "stage_000" / "shards.json").exists(),
+            "last_lines": tail.strip().splitlines()[-3:]}
+
+
+def default_job(args) -> None:
+    import torch
+
+    runs = []
+    for phase, delay in (("eval", args.eval_delay_s), ("generate", args.delay_s)):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs.append(_default_job_stop(Path(tmp) / "run", phase, delay))
+            print(json.dumps(runs[-1], indent=1), flush=True)
+    result = {"job": "the default job (mugrpo train, no overrides)", "cpu_capability":
+              torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "load_avg": os.getloadavg(),
+              "runs": runs}
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "stop_latency_default.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--delay-s", type=float, default=3.0)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "stop_latency.json"))
+    p.add_argument("--out", default=None)
+    p.add_argument("--default-job", action="store_true", help="the default job (SmolLM2, vLLM) instead")
+    p.add_argument("--eval-delay-s", type=float, default=40.0,
+                   help="--default-job: seconds after the plan to signal, inside the starting evaluation")
     args = p.parse_args()
+    if args.default_job:
+        return default_job(args)
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "stop_latency.json")
     sys.path.insert(0, str(ROOT))
     from mugrpo.models.tiny import build_tiny_model
 
