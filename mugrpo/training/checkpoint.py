@@ -510,8 +510,9 @@ def export_hf(policy, tokenizer, target: Path, world, verb: str = "train") -> No
 class GracefulStop:
     """SIGINT/SIGTERM set ``requested``; the loop stops at its next safe point: an update is finished
     and checkpointed, a stage being generated is discarded (the last checkpoint is its start; a
-    resume generates it again). The generation checks between the engine's decode steps (HF) or
-    finished prompts (vLLM), between turns, and after scoring (:mod:`mugrpo.training.generation`).
+    resume generates it again). The generation checks between the engine's decode steps (HF and
+    vLLM), between turns, and after scoring (:mod:`mugrpo.training.generation`); an evaluation
+    inside training checks between its decode steps too (:class:`~mugrpo.training.evaluator.TrainingEvaluator`).
 
     A second signal aborts at once: a second SIGINT raises KeyboardInterrupt (as Ctrl-C does
     without this handler), a second SIGTERM ends the process by SIGTERM's default action, without
