@@ -284,7 +284,7 @@ def main(argv=None) -> None:
             s.add_argument("--updates", type=int, default=8)
             s.add_argument("--prompts", type=int, default=4, help="prompts per update")
             s.add_argument("--group-size", type=int, default=8)
-            s.add_argument("--lr", type=float, default=5e-5)
+            s.add_argument("--lr", type=float, default=1e-5)
             s.add_argument("--heldout", type=int, default=32, help="held-out items per evaluation")
             s.add_argument("--eval-every", type=int, default=4)
             s.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out item (avg@k)")
