@@ -212,28 +212,73 @@ def summarize(run_dir: Path) -> dict:
     return {**info, "evals": evals, "stages": stages, "updates": updates}
 
 
-def time_to(evals: list[dict], target: float) -> float | None:
-    """The training clock of the first evaluation whose greedy accuracy reaches ``target``."""
+def time_to(evals: list[dict], target: float, key: str = "sampled_acc") -> float | None:
+    """The training clock of the first evaluation whose ``key`` reaches ``target`` (None: never)."""
     for e in evals:
-        if e["greedy_acc"] is not None and e["greedy_acc"] >= target - 1e-9:
+        if e.get(key) is not None and e[key] >= target - 1e-9:
             return e["train_clock_s"]
     return None
+
+
+def _start_eval() -> dict | None:
+    """The warm-started model's evaluation (the probe: same items, greedy + 4 samples) as update 0."""
+    path = OUT / "eval_warm_tool.json"
+    if not path.exists():
+        return None
+    m = json.loads(path.read_text())["tasks"]["calc"]
+    return {"update": 0, "time_s": 0.0, "train_clock_s": 0.0, "greedy_acc": m["greedy_acc"],
+            "sampled_acc": m["avg_at_4"], "tool_call_frac": m["env/tool_call_frac"]}
+
+
+def veto_by_turn(run: dict) -> dict[str, float]:
+    """Mean over the run's updates of the fraction of a policy turn's tokens the veto removed."""
+    out = {}
+    for k in sorted({k for u in run["updates"] for k in u if k.startswith("loss/veto_token_frac_turn")}):
+        values = [u[k] for u in run["updates"] if u.get(k) is not None]
+        if values:
+            out[k.rsplit("_", 1)[1]] = sum(values) / len(values)
+    return out
+
+
+def compare(runs: list[dict]) -> dict:
+    """Time to the same held-out accuracy, mu-grpo against grpo: the target is the highest sampled
+    accuracy (avg@4) that every tool run reached; per run the training clock of its first evaluation
+    at or above it."""
+    tool_runs = [r for r in runs if r["arm"] in ("mu", "grpo") and r["evals"]]
+    if not tool_runs:
+        return {}
+    target = min(max(e["sampled_acc"] for e in r["evals"]) for r in tool_runs)
+    per_run = {f"{r['arm']}_seed{r['seed']}": time_to(r["evals"], target) for r in tool_runs}
+    means = {}
+    for arm in ("mu", "grpo"):
+        times = [t for k, t in per_run.items() if k.startswith(arm + "_") and t is not None]
+        means[arm] = sum(times) / len(times) if times else None
+    ratio = means["grpo"] / means["mu"] if means.get("mu") and means.get("grpo") else None
+    return {"target_sampled_acc": target, "train_clock_s_to_target": per_run, "mean_s": means,
+            "grpo_over_mu": ratio}
 
 
 def report(args) -> None:
     import torch
 
+    start = _start_eval()
     runs = [summarize(d) for d in sorted(CACHE.glob("*_seed*")) if (d / "metrics.jsonl").exists()]
-    finals = {p.stem[len("eval_"):]: json.loads(p.read_text()) for p in sorted(OUT.glob("eval_*.json"))}
+    for r in runs:
+        if start and r["arm"] != "notool":
+            r["evals"].insert(0, dict(start))
+        r["veto_by_turn"] = veto_by_turn(r)
+    finals = {p.stem[len("eval_"):]: json.loads(p.read_text())["tasks"]["calc"] for p in sorted(OUT.glob("eval_*.json"))}
     out = {"machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
                        "python": platform.python_version()},
            "warmstart": json.loads((OUT / "warmstart.json").read_text()) if (OUT / "warmstart.json").exists() else None,
-           "runs": runs, "evals": finals}
+           "comparison": compare(runs), "runs": runs, "final_evals": finals}
     (OUT / "tool_rl.json").write_text(json.dumps(out, indent=1))
     print(f"wrote {OUT / 'tool_rl.json'} ({len(runs)} runs)")
     for r in runs:
-        accs = [(e["update"], e["greedy_acc"]) for e in r["evals"]]
-        print(f"{r['arm']:7s} seed {r['seed']}: wall {r.get('wall_s', float('nan')):.0f} s, evals {accs}")
+        accs = [(e["update"], e["greedy_acc"], e["sampled_acc"]) for e in r["evals"]]
+        print(f"{r['arm']:7s} seed {r['seed']}: wall {r.get('wall_s', float('nan')):.0f} s, "
+              f"(update, greedy, avg@4) {accs}, veto by turn {r['veto_by_turn']}")
+    print(json.dumps(out["comparison"], indent=1))
     figure(runs)
 
 
@@ -242,23 +287,28 @@ def figure(runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (acc, reward, veto) = plt.subplots(1, 3, figsize=(15, 4.2))
+    colors = {"mu": "tab:blue", "grpo": "tab:orange", "notool": "tab:gray"}
     for r in runs:
-        label = f"{r['arm']} s{r['seed']}"
-        if r["evals"]:
-            axes[0].plot([e["train_clock_s"] / 60 for e in r["evals"]], [e["greedy_acc"] for e in r["evals"]],
-                         marker="o", label=label)
-        st = [s for s in r["stages"] if s.get("time_s") is not None]
-        if st:
-            axes[1].plot([s["stage"] for s in st], [s["reward_mean"] for s in st], marker="s", label=label)
-            axes[2].plot([s["stage"] for s in st], [s["tool_calls_per_traj"] for s in st], marker="s", label=label)
-    axes[0].set(title="held-out greedy accuracy (with the tool)", xlabel="training clock, evaluations excluded (min)")
-    axes[1].set(title="training reward (stage mean)", xlabel="stage")
-    axes[2].set(title="tool calls per trajectory (training)", xlabel="stage")
-    for ax in axes:
+        style = dict(color=colors.get(r["arm"]), marker="o", ls="-" if r["seed"] == 1 else "--",
+                     label=f"{r['arm']} seed {r['seed']}")
+        acc.plot([e["train_clock_s"] / 60 for e in r["evals"]], [e["sampled_acc"] for e in r["evals"]], **style)
+        done = [s for s in r["stages"] if s.get("time_s") is not None]
+        reward.plot([s["time_s"] / 60 for s in done], [s["reward_mean"] for s in done], **style)
+    arms = [r for r in runs if r["veto_by_turn"]]
+    width = 0.8 / max(len(arms), 1)
+    for i, r in enumerate(arms):
+        turns = sorted(r["veto_by_turn"], key=lambda t: int(t.removeprefix("turn")))
+        veto.bar([int(t.removeprefix("turn")) + i * width for t in turns], [r["veto_by_turn"][t] for t in turns],
+                 width=width, color=colors.get(r["arm"]), alpha=1.0 if r["seed"] == 1 else 0.55,
+                 label=f"{r['arm']} seed {r['seed']}")
+    acc.set(title="held-out accuracy, avg@4 (with the tool)", xlabel="training clock, evaluations excluded (min)")
+    reward.set(title="training reward (stage mean, at the stage's end)", xlabel="wall-clock (min)")
+    veto.set(title="tokens the veto removed, by policy turn", xlabel="policy turn", ylabel="fraction (mean over updates)")
+    for ax in (acc, reward, veto):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(OUT / "tool_rl.png", dpi=90)
     print(f"wrote {OUT / 'tool_rl.png'}")

@@ -52,6 +52,7 @@ from mugrpo.training.data import StageData
 from mugrpo.faults import maybe_die, should_poison
 from mugrpo.training.evaluator import TrainingEvaluator
 from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.training.lifecycle import RunClaim
 from mugrpo.training.samplers import RolloutParts
 from mugrpo.training.sources import StageSource, build_stage_source, build_store
 from mugrpo.hardware import Resolved, detect, resolve
@@ -86,31 +87,28 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
                                      f"({rd.replay}): drop --replay")
     source = replay_mod.check_source(replay, cfg, world.size) if replay is not None else None
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    lock = trainer = stopper = None
-    failed_new_run, existed = False, rd.path.is_dir()
     warm = cfg.warmstart.data is not None
-    if resume or warm:  # before any work: a second process on this run directory stops here
-        # A new run with a warm start claims its directory first: the warm start is work a resume must find.
-        ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
-        lock = ckpt.lock_run_dir(rd.path, world)
-    else:
-        ckpt.check_run_dir_free(rd.path)
-    try:
+    with RunClaim(rd, cfg, resume, world) as run:
+        if resume or warm:  # before any work: a second process on this run directory stops here
+            # A new run with a warm start claims its directory first: the warm start is work a resume must find.
+            run.claim()
+        else:
+            ckpt.check_run_dir_free(rd.path)
         if resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
             source = replay_mod.recorded_source(rd.path)
         if warm:  # RL starts from the warm start's model (warm_start_path): run it, resume it, or find it done
             warm_start_model(cfg, rd)
         trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source)
+        run.close_at_exit(trainer.close)
         if resume:
             trainer.resume()
         else:
             if not warm:  # only now that model, task and engine have loaded: a failed start leaves no run directory
-                ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
-                lock = ckpt.lock_run_dir(rd.path, world)
+                run.claim()
             if source is not None and world.is_main:
                 replay_mod.record_source(rd.path, source)
         trainer.start()
-        stopper = ckpt.GracefulStop(rd.path)
+        stopper = run.stop_on_signals()
         trainer.evaluator.stopper = stopper
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
         while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
@@ -122,17 +120,6 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             if stopper.requested and trainer.state.update < plan.total_updates:
                 raise ckpt.Interrupted(rd.path)
         return trainer.finish()
-    except Exception as exc:
-        # The run dir is this run's own (locked, found empty); an interrupted run keeps it, to be resumed.
-        failed_new_run = not (resume or isinstance(exc, (ckpt.Interrupted, ckpt.DiskFullError))) and lock is not None
-        raise
-    finally:
-        for close in (stopper and stopper.restore, trainer and trainer.close, lock and lock.close):
-            if close:
-                close()
-        if failed_new_run and ckpt.discard_failed_start(rd.path, keep_dir=existed):
-            print(f"[mugrpo] removed what this run wrote in {rd.path}: it failed before writing anything to resume "
-                  "from, so the corrected command can be run again")
 
 
 def step_settings(cfg: Config, resolved: Resolved | None = None) -> StepSettings:

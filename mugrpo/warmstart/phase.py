@@ -45,6 +45,7 @@ from mugrpo.training.batching import micro_batches
 from mugrpo.training.checkpoint import RunState
 from mugrpo.training.data import StageData
 from mugrpo.training.forward import response_logprobs
+from mugrpo.training.lifecycle import RunClaim
 from mugrpo.training.model_parts import ModelParts, TrainingError, build_model, step_optimizer
 from mugrpo.training.update import with_fillers
 from mugrpo.warmstart.data import DemonstrationError
@@ -222,32 +223,18 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
     world = dist.init(cfg.parallel.timeout_s)
     rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
-    lock = phase = stopper = None
-    failed_new_run, existed = False, rd.path.is_dir()
-    if resume:
-        ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
-        lock = ckpt.lock_run_dir(rd.path, world)
-    else:
-        ckpt.check_run_dir_free(rd.path)
-    try:
+    with RunClaim(rd, cfg, resume, world) as run:
+        if resume:
+            run.claim()
+        else:
+            ckpt.check_run_dir_free(rd.path)
         phase = WarmStart.build(cfg, world, rd, source)
+        run.close_at_exit(phase.close)
         if resume:
             phase.resume()
         else:
-            ckpt.prepare_run_dir(rd.path, cfg, resume, is_main=world.is_main)
-            lock = ckpt.lock_run_dir(rd.path, world)
-        stopper = ckpt.GracefulStop()
-        return phase.run(stopper)
-    except Exception as exc:
-        failed_new_run = not (resume or isinstance(exc, ckpt.Interrupted)) and lock is not None
-        raise
-    finally:
-        for close in (stopper and stopper.restore, phase and phase.close, lock and lock.close):
-            if close:
-                close()
-        if failed_new_run and ckpt.discard_failed_start(rd.path, keep_dir=existed):
-            print(f"[mugrpo] removed what this run wrote in {rd.path}: it failed before writing anything to resume "
-                  "from, so the corrected command can be run again")
+            run.claim()
+        return phase.run(run.stop_on_signals(name_resume_command=False))
 
 
 def warm_start_path(cfg: Config, run_dir: RunDir) -> str | None:
