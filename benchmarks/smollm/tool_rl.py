@@ -26,7 +26,8 @@ RL's groups have reward variance (a full warm start nearly solves this task gree
 calls of one turn of a stage run at once, as a sandbox pool would). Same name, schema and
 docstring as the warm start's tool, so the prompt's tool protocol is token for token the same.
 
-**Arms.** ``mu``: mu-grpo, one stage of all ``--updates`` updates; ``grpo``: grpo, a fresh stage
+**Arms.** ``mu``: mu-grpo, one stage of all ``--updates`` updates; ``mu4``: mu-grpo in two stages
+(mu = 4 at the default 8 updates); ``grpo``: grpo, a fresh stage
 every update; ``notool``: mu-grpo from the same warm-started model, the instruction without its
 tool part and no tool (what RL does with the same budget without the tool). Held-out greedy
 accuracy with the tool every ``--eval-every`` updates (the trainer's evaluation), and at the end
@@ -56,7 +57,9 @@ CACHE = ROOT / "benchmarks" / "cache" / "smollm_tool_rl"
 SFT_DIR = CACHE / "sft"
 MODEL = SFT_DIR / "final_model"
 PLAIN_INSTRUCTION = "Put your final answer within \\boxed{}."
-ARMS = {"mu": ("mu-grpo", True), "grpo": ("grpo", True), "notool": ("mu-grpo", False)}
+ARMS = {"mu": ("mu-grpo", True, 1), "mu4": ("mu-grpo", True, 2), "grpo": ("grpo", True, None),
+        "notool": ("mu-grpo", False, 1)}
+"""arm: (preset, with the tool, stages of mu-grpo): mu = all updates in one stage, mu4 = two stages."""
 
 
 def _rows(name: str) -> list[dict]:
@@ -128,7 +131,7 @@ def slow_tool(latency_s: float):
 def arm_config(arm: str, seed: int, args) -> dict:
     from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
 
-    preset, tool = ARMS[arm]
+    preset, tool, stages = ARMS[arm]
     config = {
         "preset": preset, "model.name": str(MODEL), "train.seed": seed,
         "schedule.total_updates": args.updates, "schedule.prompts_per_update": args.prompts,
@@ -142,7 +145,7 @@ def arm_config(arm: str, seed: int, args) -> dict:
         "eval.at_start": False,  # the starting model's evaluation is the probe's (same items, same settings)
     }
     if preset == "mu-grpo":
-        config["schedule.num_stages"] = 1
+        config["schedule.num_stages"] = stages
     else:
         config["schedule.updates_per_stage"] = 1
     return config
@@ -244,18 +247,17 @@ def compare(runs: list[dict]) -> dict:
     """Time to the same held-out accuracy, mu-grpo against grpo: the target is the highest sampled
     accuracy (avg@4) that every tool run reached; per run the training clock of its first evaluation
     at or above it."""
-    tool_runs = [r for r in runs if r["arm"] in ("mu", "grpo") and r["evals"]]
+    tool_runs = [r for r in runs if r["arm"] in ("mu", "mu4", "grpo") and r["evals"]]
     if not tool_runs:
         return {}
     target = min(max(e["sampled_acc"] for e in r["evals"]) for r in tool_runs)
     per_run = {f"{r['arm']}_seed{r['seed']}": time_to(r["evals"], target) for r in tool_runs}
     means = {}
-    for arm in ("mu", "grpo"):
+    for arm in ("mu", "mu4", "grpo"):
         times = [t for k, t in per_run.items() if k.startswith(arm + "_") and t is not None]
         means[arm] = sum(times) / len(times) if times else None
-    ratio = means["grpo"] / means["mu"] if means.get("mu") and means.get("grpo") else None
-    return {"target_sampled_acc": target, "train_clock_s_to_target": per_run, "mean_s": means,
-            "grpo_over_mu": ratio}
+    ratios = {f"grpo_over_{arm}": means["grpo"] / means[arm] for arm in ("mu", "mu4") if means[arm] and means["grpo"]}
+    return {"target_sampled_acc": target, "train_clock_s_to_target": per_run, "mean_s": means, **ratios}
 
 
 def report(args) -> None:
@@ -288,7 +290,7 @@ def figure(runs: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc, reward, veto) = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"mu": "tab:blue", "grpo": "tab:orange", "notool": "tab:gray"}
+    colors = {"mu": "tab:blue", "mu4": "tab:green", "grpo": "tab:orange", "notool": "tab:gray"}
     for r in runs:
         style = dict(color=colors.get(r["arm"]), marker="o", ls="-" if r["seed"] == 1 else "--",
                      label=f"{r['arm']} seed {r['seed']}")
