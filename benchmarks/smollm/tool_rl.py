@@ -10,7 +10,7 @@ Steps, each its own process (so each run's clock and peak memory are its own)::
     $PY -m benchmarks.smollm.tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
     $PY -m benchmarks.smollm.tool_rl run grpo --seed 1      # grpo, a fresh stage every update
     $PY -m benchmarks.smollm.tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
-    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model with and without the tool
+    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model without the tool
     .venv/bin/python -m benchmarks.smollm.tool_rl report    # JSON + figure from the run directories
 
 **Task.** The two-call calculator task of docs/BENCHMARKS.md section 9 ("What is a * b + c * d?",
@@ -172,9 +172,9 @@ def run(args) -> None:
 
 
 def final(args) -> None:
-    """The trained model of ARM/seed on the held-out items, greedy, with the tool and without it."""
+    """The trained model of ARM/seed on the held-out items without the tool (greedy + 4 samples); with
+    the tool it is the run's own last evaluation (same items and settings)."""
     model = CACHE / f"{args.arm}_seed{args.seed}" / "final_model"
-    _eval(model, f"{args.arm}_seed{args.seed}_tool", True, ["--k", "4"])
     _eval(model, f"{args.arm}_seed{args.seed}_notool", False, ["--k", "4"])
 
 
