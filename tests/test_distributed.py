@@ -219,6 +219,30 @@ def test_two_process_run_learns_exports_one_hf_folder_and_resumes(two_rank_run, 
 
 
 @pytest.mark.distributed
+def test_a_stop_one_rank_receives_stops_every_rank_after_the_same_update(two_rank_run, tmp_path):
+    # Resumed at the start of stage 3 (its data on disk: nothing to generate), SIGTERM reaches rank 1
+    # alone after the stage's 2nd update: the ranks agree (a max over ranks) to checkpoint and stop
+    # there. A rank checkpointing alone would wait in the checkpoint's gathers while the other ran
+    # the next update, until parallel.timeout_s (set short, so a bug fails rather than hangs).
+    run = _resume_copy(two_rank_run, tmp_path / "run", "ckpt_000012_s003_u00000")
+    script = tmp_path / "stop_rank1.py"
+    script.write_text("import os, sys\nif os.environ['RANK'] == '1':\n    os.environ['MUGRPO_STOP_AT'] = 'update:2'\n"
+                      "from mugrpo.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script), "train",
+           "--resume", str(run), "parallel.timeout_s=60"]
+    stopped = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert stopped.returncode != 0 and "exitcode  : 130" in stopped.stderr, stopped.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").glob("ckpt_*")) == [
+        "ckpt_000012_s003_u00000", "ckpt_000014_s003_u00002"]
+    _mugrpo(2, ["--resume", str(run)])
+    assert [r["update"] for r in _records(run, "update")] == [13, 14, 15, 16]  # each once (the copy holds no earlier log)
+    for name, value in _weights(two_rank_run).items():
+        torch.testing.assert_close(_weights(run)[name], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.distributed
 def test_two_ranks_take_the_same_adaptive_stage_decisions(tiny_model, tmp_path):
     # The guard reads the update's metrics after their all-reduce, so both ranks end each stage at the
     # same update (a rank that went on alone would block in the next collective until the timeout).

@@ -117,7 +117,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             if reason is None:  # stopped mid-stage, checkpointed
                 raise ckpt.Interrupted(rd.path)
             trainer.end_stage(reason, data, stage_metrics, optimize_s)
-            if stopper.requested and trainer.state.update < plan.total_updates:
+            if dist.max_over_ranks(int(stopper.requested)) and trainer.state.update < plan.total_updates:
                 raise ckpt.Interrupted(rd.path)
         return trainer.finish()
 
@@ -255,7 +255,9 @@ class Trainer:
             self.progress.update(bar, metrics)
             maybe_die("update")
             self.evaluator.maybe_run(state, stage_ends=reason is not None)
-            interrupted = stopper.requested
+            # A signal may reach the ranks an update apart: all stop after the update one of them saw it in
+            # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
+            interrupted = dist.max_over_ranks(int(stopper.requested)) > 0
             due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
             if (due or interrupted) and reason is None:  # a stage's end is checkpointed by end_stage
                 seconds = self.save()
