@@ -10,7 +10,7 @@ Steps, each its own process (so each run's clock and peak memory are its own)::
     $PY -m benchmarks.smollm.tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
     $PY -m benchmarks.smollm.tool_rl run grpo --seed 1      # grpo, a fresh stage every update
     $PY -m benchmarks.smollm.tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
-    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model without the tool
+    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model with and without the tool
     .venv/bin/python -m benchmarks.smollm.tool_rl report    # JSON + figure from the run directories
 
 **Task.** The two-call calculator task of docs/BENCHMARKS.md section 9 ("What is a * b + c * d?",
@@ -45,6 +45,7 @@ import functools
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -60,6 +61,20 @@ PLAIN_INSTRUCTION = "Put your final answer within \\boxed{}."
 ARMS = {"mu": ("mu-grpo", True, 1), "mu4": ("mu-grpo", True, 2), "grpo": ("grpo", True, None),
         "notool": ("mu-grpo", False, 1)}
 """arm: (preset, with the tool, stages of mu-grpo): mu = all updates in one stage, mu4 = two stages."""
+
+
+STRICT_REWARD = "benchmarks.smollm.tool_rl:integer_answer"
+
+
+def integer_answer(completion: str, answer: str, item: dict) -> float:
+    """1.0 if the last ``\\boxed{}`` holds the answer as an integer literal, else 0.0.
+
+    The math task's grader (math-verify) compares values, so ``\\boxed{361 * 25 + 607 * 67}``, the
+    question itself, counts as 49694: without the tool, mu-grpo learned exactly that in 8 updates
+    (greedy 0.625 from 0.03). Every arm here is trained and evaluated with this reward instead."""
+    boxed = re.findall(r"\\boxed\{([^{}]*)\}", completion)
+    value = boxed[-1].strip().replace(",", "") if boxed else ""
+    return float(re.fullmatch(r"-?\d+", value) is not None and int(value) == int(answer))
 
 
 def _rows(name: str) -> list[dict]:
@@ -80,7 +95,8 @@ def _task_overrides(tool: bool) -> list[str]:
     from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
 
     instruction = CALCULATOR_INSTRUCTION if tool else PLAIN_INSTRUCTION
-    return ["task.kind=math", "task.few_shot=[]", f"task.instruction={instruction}", "task.max_prompt_tokens=1024"]
+    return ["task.kind=math", "task.few_shot=[]", f"task.instruction={instruction}", "task.max_prompt_tokens=1024",
+            f"task.reward_fn={STRICT_REWARD}"]
 
 
 def warmstart(args) -> None:
@@ -138,7 +154,7 @@ def arm_config(arm: str, seed: int, args) -> dict:
         "rollout.group_size": args.group_size, "rollout.max_new_tokens": 200,
         "env.max_turns": 4, "env.max_tokens_per_turn": 64, "env.max_workers": 64,
         "task": {"few_shot": [], "instruction": CALCULATOR_INSTRUCTION if tool else PLAIN_INSTRUCTION,
-                 "max_prompt_tokens": 1024},
+                 "max_prompt_tokens": 1024, "reward_fn": STRICT_REWARD},
         "optim.lr": args.lr,
         "eval.num_items": args.heldout, "eval.every_updates": args.eval_every, "eval.every_stages": 0,
         "eval.max_new_tokens": 200, "eval.num_samples": args.eval_samples,
@@ -172,9 +188,11 @@ def run(args) -> None:
 
 
 def final(args) -> None:
-    """The trained model of ARM/seed on the held-out items without the tool (greedy + 4 samples); with
-    the tool it is the run's own last evaluation (same items and settings)."""
+    """The trained model of ARM/seed on the held-out items, greedy + 4 samples, with the tool (tool
+    arms) and without it, graded by :func:`integer_answer`."""
     model = CACHE / f"{args.arm}_seed{args.seed}" / "final_model"
+    if ARMS[args.arm][1]:
+        _eval(model, f"{args.arm}_seed{args.seed}_tool", True, ["--k", "4"])
     _eval(model, f"{args.arm}_seed{args.seed}_notool", False, ["--k", "4"])
 
 
