@@ -1,9 +1,9 @@
 """SIGTERM during an evaluation inside training (issue 27 item 4): the stop lands between the
-evaluation's decode steps, not after the whole evaluation. An in-loop evaluation is abandoned
-without a record (the update is checkpointed; the resume evaluates that update again), a stage-end
-one stops before the stage is logged (the resume redoes the stage's updates from its stored data).
-Either way the resumed run equals the uninterrupted one: weights bitwise, and the same update and
-evaluation records. Real subprocess runs of the tiny model; stops placed by ``MUGRPO_STOP_AT``."""
+evaluation's decode steps, not after the whole evaluation. The evaluation is abandoned without a
+record and the resumed run runs it at its start: after the in-loop update's checkpoint, or after the
+stage's record and stage-end checkpoint (marked pending in it; at the last stage the run does not
+finish without it). Each resumed run equals the uninterrupted one: weights bitwise, and the same
+update and evaluation records. Real subprocess runs of the tiny model; stops placed by ``MUGRPO_STOP_AT``."""
 import subprocess
 import sys
 
@@ -74,10 +74,21 @@ def test_a_stop_inside_the_starting_evaluation_ends_it_there(tmp_path, tiny_mode
     _assert_same_run(reference, run_dir)
 
 
-def test_a_stop_inside_a_stage_end_evaluation_stops_before_the_stage_is_logged(tmp_path, tiny_model_dir, reference):
+def test_a_stop_inside_a_stage_end_evaluation_abandons_it_and_the_resume_evaluates_first(tmp_path, tiny_model_dir,
+                                                                                          reference):
     run_dir, before = _stop_then_resume(tmp_path, tiny_model_dir, "eval:12")
-    # Inside stage 0's end evaluation (update 2): its updates are logged, the evaluation and the stage are not.
-    assert before == {"evals": [0], "updates": [1, 2], "stages": [], "checkpoints": []}
+    # Inside stage 0's end evaluation (update 2): the stage is logged and its end checkpointed as
+    # without the stop, the evaluation is not (the checkpoint says it is pending).
+    assert before == {"evals": [0], "updates": [1, 2], "stages": [0], "checkpoints": ["ckpt_000002_s001_u00000"]}
+    _assert_same_run(reference, run_dir)
+
+
+def test_a_stop_inside_the_last_evaluation_resumes_to_evaluate_and_export(tmp_path, tiny_model_dir, reference):
+    # Inside the last stage's end evaluation (update 4, the end of the run): the run does not finish
+    # without it; the resume evaluates, then exports the final model.
+    run_dir, before = _stop_then_resume(tmp_path, tiny_model_dir, "eval:23")
+    assert before == {"evals": [0, 2], "updates": [1, 2, 3, 4], "stages": [0, 1],
+                      "checkpoints": ["ckpt_000002_s001_u00000", "ckpt_000004_s002_u00000"]}
     _assert_same_run(reference, run_dir)
 
 

@@ -71,6 +71,8 @@ class RunState:
     stage_first_log_ratio: float | None = None
     """The stage's first update's ``loss/log_ratio_abs_mean`` (its ``stage/engine_logprob_mismatch``),
     kept so that a resume past that update still logs it; None before the stage's first update."""
+    eval_pending: bool = False
+    """A stop abandoned the stage-end evaluation at ``update``: the resumed run runs it at its start."""
 
 # Keys whose change makes a resumed run a different experiment (checked by --resume).
 RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
@@ -247,7 +249,7 @@ def truncate_metrics(path: Path, state, eval_cfg) -> None:
     (``state.update`` 0) the run starts over, so nothing of it is kept."""
     if not Path(path).is_file():
         return
-    again = evaluated_again_at_start(eval_cfg, state.update)
+    again = evaluates_at_start(eval_cfg, state)
     kept = []
     for line in Path(path).read_text().splitlines():
         try:
@@ -272,6 +274,12 @@ def evaluated_again_at_start(eval_cfg, update: int) -> bool:
     from mugrpo.training.evaluator import due_in_loop
 
     return bool(eval_cfg.num_items) and due_in_loop(eval_cfg, update)
+
+
+def evaluates_at_start(eval_cfg, state) -> bool:
+    """Whether a run resumed at ``state`` evaluates ``state.update`` when it starts: when the in-loop
+    rule asks (:func:`evaluated_again_at_start`) or a stop abandoned that stage end's evaluation."""
+    return bool(eval_cfg.num_items) and (state.eval_pending or evaluated_again_at_start(eval_cfg, state.update))
 
 
 def _rng_state() -> dict:
@@ -512,7 +520,8 @@ class GracefulStop:
     and checkpointed, a stage being generated is discarded (the last checkpoint is its start; a
     resume generates it again). The generation checks between the engine's decode steps (HF and
     vLLM), between turns, and after scoring (:mod:`mugrpo.training.generation`); an evaluation
-    inside training checks between its decode steps too (:class:`~mugrpo.training.evaluator.TrainingEvaluator`).
+    inside training checks between its decode steps too, and is then run by the resumed run
+    (:class:`~mugrpo.training.evaluator.TrainingEvaluator`).
 
     A second signal aborts at once: a second SIGINT raises KeyboardInterrupt (as Ctrl-C does
     without this handler), a second SIGTERM ends the process by SIGTERM's default action, without

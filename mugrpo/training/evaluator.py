@@ -52,9 +52,9 @@ class TrainingEvaluator:
     A stop request (:attr:`stopper`, a :class:`~mugrpo.training.checkpoint.GracefulStop` the loop
     sets) ends an evaluation within one decode step, as it ends a stage's generation: an in-loop
     one is abandoned without a record (the loop then checkpoints the update and stops; the resumed
-    run evaluates that update again at its start, :func:`due_in_loop`), a stage-end one raises
-    :class:`~mugrpo.training.checkpoint.Interrupted` before the stage is logged (the resume redoes
-    the stage's updates from its stored data, then evaluates).
+    run evaluates that update again at its start, :func:`due_in_loop`); so is a stage-end one, the
+    stage then logged and checkpointed as usual with ``RunState.eval_pending`` set, and the resumed
+    run evaluates that update at its start.
     """
 
     stopper = None
@@ -92,6 +92,10 @@ class TrainingEvaluator:
         """``stage_ends``: this update ends its stage (mu reached, the budget, or an adaptive guard)."""
         if not self.enabled or stage_ends:
             return
+        if state.eval_pending:  # a resumed run: the stage-end evaluation a stop abandoned
+            self._run(state)
+            state.eval_pending = False
+            return
         if due_in_loop(self.cfg.eval, state.update):
             try:
                 seconds = self._run(state)
@@ -109,7 +113,11 @@ class TrainingEvaluator:
             stage_due = e.every_stages and ((state.stage + 1) % e.every_stages == 0 or last)
             update_due = e.every_updates and state.update % e.every_updates == 0
             if stage_due or update_due:
-                self._run(state)
+                try:
+                    self._run(state)
+                except ckpt.Interrupted:  # abandoned: the stage is still logged and checkpointed, the resume evaluates
+                    self._last_update = None
+                    state.eval_pending = True
         seconds, self._stage_s, self.in_loop_s = self._stage_s, 0.0, 0.0
         return seconds
 

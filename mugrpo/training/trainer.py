@@ -117,7 +117,9 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             if reason is None:  # stopped mid-stage, checkpointed
                 raise ckpt.Interrupted(rd.path)
             trainer.end_stage(reason, data, stage_metrics, optimize_s)
-            if dist.max_over_ranks(int(stopper.requested)) and trainer.state.update < plan.total_updates:
+            # (at the last stage too, when a stop abandoned its evaluation: the resume runs it, then exports)
+            more = trainer.state.update < plan.total_updates or trainer.state.eval_pending
+            if dist.max_over_ranks(int(stopper.requested)) and more:
                 raise ckpt.Interrupted(rd.path)
         return trainer.finish()
 
