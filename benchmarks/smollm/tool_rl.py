@@ -230,7 +230,10 @@ def summarize(run_dir: Path) -> dict:
             updates.append({"update": r.get("update"),
                             **{k: v for k, v in r.items() if k.startswith("loss/veto") or k.startswith("loss/first_trigger")
                                or k in ("loss/vetoed_frac", "loss/clip_frac", "loss/kl_behaviour")}})
-    return {**info, "evals": evals, "stages": stages, "updates": updates}
+    totals = {key: sum(st[key] or 0.0 for st in stages) for key in ("generate_s", "optimize_s")}
+    totals.update(num_stages=len(stages), tool_calls=sum(st["tool_calls_per_traj"] * st["num_sequences"] for st in stages),
+                  train_clock_s=(records[-1]["time_s"] - eval_s) if records else None)
+    return {**info, "evals": evals, "stages": stages, "updates": updates, "totals": totals}
 
 
 def time_to(evals: list[dict], target: float, key: str = "sampled_acc") -> float | None:
@@ -296,6 +299,7 @@ def report(args) -> None:
     print(f"wrote {OUT / 'tool_rl.json'} ({len(runs)} runs)")
     for r in runs:
         accs = [(e["update"], e["greedy_acc"], e["sampled_acc"]) for e in r["evals"]]
+        print(f"{r['arm']:7s} seed {r['seed']}: {json.dumps({k: v if v is None else round(v, 1) for k, v in r['totals'].items()})}")
         print(f"{r['arm']:7s} seed {r['seed']}: wall {r.get('wall_s', float('nan')):.0f} s, "
               f"(update, greedy, avg@4) {accs}, veto by turn {r['veto_by_turn']}")
     print(json.dumps(out["comparison"], indent=1))
