@@ -319,16 +319,20 @@ def figure(runs: list[dict]) -> None:
         acc.plot([e["train_clock_s"] / 60 for e in r["evals"]], [e["sampled_acc"] for e in r["evals"]], **style)
         done = [s for s in r["stages"] if s.get("time_s") is not None]
         reward.plot([s["time_s"] / 60 for s in done], [s["reward_mean"] for s in done], **style)
-    arms = [r for r in runs if r["veto_by_turn"]]
-    width = 0.8 / max(len(arms), 1)
-    for i, r in enumerate(arms):
-        turns = sorted(r["veto_by_turn"], key=lambda t: int(t.removeprefix("turn")))
-        veto.bar([int(t.removeprefix("turn")) + i * width for t in turns], [r["veto_by_turn"][t] for t in turns],
-                 width=width, color=colors.get(r["arm"]), alpha=1.0 if r["seed"] == 1 else 0.55,
-                 label=f"{r['arm']} seed {r['seed']}")
+    # The veto never fired at lr 1e-5 (every run's veto_by_turn is 0); the lr 5e-5 mu-grpo run, kept
+    # as what did not work, shows where it acts once the policy drifts.
+    hot = OUT / "lr5e-5_mu_seed1_metrics.jsonl"
+    if hot.exists():
+        ups = [json.loads(x) for x in hot.read_text().splitlines() if x.strip() and json.loads(x)["kind"] == "update"]
+        for turn in range(3):
+            key = f"loss/veto_token_frac_turn{turn}"
+            veto.plot([u["update"] for u in ups], [u.get(key) or 0.0 for u in ups], marker="o", label=f"policy turn {turn}")
+        veto.plot([u["update"] for u in ups], [u["loss/log_ratio_abs_mean"] for u in ups], color="k", ls=":",
+                  label="mean |log ratio|")
     acc.set(title="held-out accuracy, avg@4 (with the tool)", xlabel="training clock, evaluations excluded (min)")
-    reward.set(title="training reward (stage mean, at the stage's end)", xlabel="wall-clock (min)")
-    veto.set(title="tokens the veto removed, by policy turn", xlabel="policy turn", ylabel="fraction (mean over updates)")
+    reward.set(title="training reward (stage mean, at the stage's end)", xlabel="wall-clock, evaluations included (min)")
+    veto.set(title="veto, mu-grpo at lr 5e-5 (0 in every lr 1e-5 run)", xlabel="update",
+             ylabel="fraction of the turn's tokens removed")
     for ax in (acc, reward, veto):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
