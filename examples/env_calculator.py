@@ -4,7 +4,9 @@ What this shows is the wiring (a tool given as a Python function, the ``<tool_ca
 multi-turn rollout and its metrics), not a model learning to use the tool: measured, SmolLM2-135M-
 Instruct never emits a tool call here (``env/tool_calls`` stays 0), so there is no tool-use reward
 signal to learn from (docs/BENCHMARKS.md section 8). A model that already calls tools, or one first
-taught the protocol (SFT), is needed for that.
+taught the protocol by a warm start (``mugrpo sft``, docs/WARMSTART.md), is needed for that:
+docs/BENCHMARKS.md section 10 warm-starts SmolLM2 for 3 steps, then RL teaches it a two-call plan
+(``benchmarks/smollm/tool_rl.py``).
 
     .venv/bin/python examples/env_calculator.py                     # SmolLM2-135M-Instruct, 8 updates
     .venv/bin/python examples/env_calculator.py --updates 32 --run-dir runs/calculator
