@@ -150,6 +150,8 @@ def figure(runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from benchmarks.plotting import finish
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for r in runs:
         label = f"{r['arm']} s{r['seed']}"
@@ -165,13 +167,7 @@ def figure(runs: list[dict]) -> None:
     axes[0].set(title="held-out greedy accuracy", xlabel="wall-clock (min)")
     axes[1].set(title="training reward (per stage)", xlabel="wall-clock at stage end (min)")
     axes[2].set(title="tool calls per trajectory (training)", xlabel="stage")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "env_calculator.png", dpi=90)
-    print(f"wrote {RESULTS / 'env_calculator.png'}")
+    finish(fig, axes, RESULTS / "env_calculator.png")
 
 
 def main(argv=None) -> None:

@@ -311,6 +311,8 @@ def figure(runs: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from benchmarks.plotting import finish
+
     fig, (acc, reward, veto) = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = {"mu": "tab:blue", "mu4": "tab:green", "grpo": "tab:orange", "notool": "tab:gray"}
     for r in runs:
@@ -333,13 +335,7 @@ def figure(runs: list[dict]) -> None:
     reward.set(title="training reward (stage mean, at the stage's end)", xlabel="wall-clock, evaluations included (min)")
     veto.set(title="veto, mu-grpo at lr 5e-5 (0 in every lr 1e-5 run)", xlabel="update",
              ylabel="fraction of the turn's tokens removed")
-    for ax in (acc, reward, veto):
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(OUT / "tool_rl.png", dpi=90)
-    print(f"wrote {OUT / 'tool_rl.png'}")
+    finish(fig, (acc, reward, veto), OUT / "tool_rl.png", legend_size=7)
 
 
 def main(argv=None) -> None:
