@@ -94,9 +94,10 @@ def test_prompt_limit_policies():
     assert kept == items and [len(p) for p in prompts][1] == 12
 
 
-class _State:
-    def __init__(self, stage, update, update_in_stage):
-        self.stage, self.update, self.update_in_stage = stage, update, update_in_stage
+def _State(stage, update, update_in_stage):
+    from mugrpo.training.checkpoint import RunState
+
+    return RunState(stage=stage, update=update, update_in_stage=update_in_stage)
 
 
 def _simulate(overrides):
