@@ -16,9 +16,9 @@ from typing import Callable, Optional
 import torch
 
 from mugrpo import seeds
-from mugrpo.faults import maybe_die
 from mugrpo.evaluation.evaluate import (EnvEval, EvalSettings, Generations, generate_and_score, render_prompts,
                                         stop_if_nothing_started, summarize_generations)
+from mugrpo.faults import maybe_die
 from mugrpo.rollout.engines import weights_loaded
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
@@ -93,16 +93,13 @@ class TrainingEvaluator:
         if not self.enabled or stage_ends:
             return
         if state.eval_pending:  # a resumed run: the stage-end evaluation a stop abandoned
-            self._run(state)
+            if self._run(state) is None:  # abandoned again: stop before anything else, it stays pending
+                raise ckpt.Interrupted(self.stopper.run_dir)
             state.eval_pending = False
             return
         if due_in_loop(self.cfg.eval, state.update):
-            try:
-                seconds = self._run(state)
-            except ckpt.Interrupted:  # abandoned: no record; the resume evaluates this update again
-                self._last_update = None
-                return
-            if state.update_in_stage > 0:
+            seconds = self._run(state)  # abandoned by a stop: the resume evaluates this update again
+            if seconds is not None and state.update_in_stage > 0:
                 self.in_loop_s += seconds
 
     def finish_stage(self, state) -> float:
@@ -112,27 +109,28 @@ class TrainingEvaluator:
             last = state.update >= self.plan.total_updates  # by updates: adaptive stages vary in number
             stage_due = e.every_stages and ((state.stage + 1) % e.every_stages == 0 or last)
             update_due = e.every_updates and state.update % e.every_updates == 0
-            if stage_due or update_due:
-                try:
-                    self._run(state)
-                except ckpt.Interrupted:  # abandoned: the stage is still logged and checkpointed, the resume evaluates
-                    self._last_update = None
-                    state.eval_pending = True
+            if (stage_due or update_due) and self._run(state) is None:
+                state.eval_pending = True  # the stage is still logged and checkpointed; the resume evaluates
         seconds, self._stage_s, self.in_loop_s = self._stage_s, 0.0, 0.0
         return seconds
 
-    def _run(self, state) -> float:
-        """Evaluate now and log the record; returns the seconds it took (0 if done at this update)."""
+    def _run(self, state) -> Optional[float]:
+        """Evaluate now and log the record; returns the seconds it took (0 if done at this update), or
+        None when a stop abandoned it (no record)."""
         if self._last_update == state.update:
             return 0.0
-        self._last_update = state.update
         t0 = time.perf_counter()
         n_seq = len(self.items) * (int(self.settings.greedy) + self.settings.n)
         with weights_loaded(self.engine, dist.full_state_items(self.policy)):  # a collective under FSDP2
             bar = self.progress.bar(n_seq, f"eval @ update {state.update}", unit="seq")
-            gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts, self.settings,
-                                     progress=lambda n: self._advance(bar, n), env=self.env)
-            self.progress.close(bar)
+            try:
+                gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts,
+                                         self.settings, progress=lambda n: self._advance(bar, n), env=self.env)
+            except ckpt.Interrupted:
+                return None
+            finally:
+                self.progress.close(bar)
+        self._last_update = state.update
         gen = _gather(gen, self.settings, self.world)
         stop_if_nothing_started(gen, self.env)  # every rank alike: on the combined counts
         seconds = time.perf_counter() - t0
@@ -149,13 +147,11 @@ class TrainingEvaluator:
             self.progress.eval_summary(state.update, metrics)
         return seconds
 
-
     def _advance(self, bar, n: int) -> None:
         """The evaluation's progress, and its stop check (``n`` = 0: a decode step's heartbeat)."""
         self.progress.advance(bar, n)
         maybe_die("eval")
         if self.stopper is not None and self.stopper.requested:
-            self.progress.close(bar)
             raise ckpt.Interrupted(self.stopper.run_dir)
 
 
