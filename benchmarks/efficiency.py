@@ -152,8 +152,8 @@ def part_memory(args) -> dict:
 
 def part_update(args) -> dict:
     from mugrpo.config import load_config
-    from mugrpo.training.data import StageData
-    from mugrpo.training.distributed import World
+    from mugrpo.stages.data import StageData
+    from mugrpo.kit.distributed import World
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan
@@ -200,7 +200,8 @@ def part_update(args) -> dict:
 def bare_loop(policy, data, updates: list[int], cfg, autocast: bool) -> dict:
     """Forward+backward over just the A != 0 sequences of the same updates, each with its whole prompt:
     plain HF calls in micro-batches of 16, no sharing, no diagnostics, no optimizer step."""
-    from mugrpo.training.data import collate, update_groups
+    from mugrpo.kit.batching import collate
+    from mugrpo.kit.order import update_groups
 
     G = data.group_size
     seconds, tokens = 0.0, 0

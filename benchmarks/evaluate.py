@@ -104,7 +104,7 @@ class UpdateEvaluator:
 @contextlib.contextmanager
 def patched_trainer(evaluator: UpdateEvaluator, timers: dict | None = None):
     """Install ``evaluator`` in mugrpo's trainer; with ``timers`` also time ``checkpoint.save`` calls."""
-    from mugrpo.training import checkpoint
+    from mugrpo.kit import checkpoint
     from mugrpo.training import trainer
 
     original_update, original_save = trainer.Trainer.update, checkpoint.save

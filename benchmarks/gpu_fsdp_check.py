@@ -6,7 +6,7 @@ the CPU development machine, to check the script's own logic. Numbers from it me
 
 What it does, per variant (bf16 mixed precision; + activation checkpointing; + CPU offload):
 build a ~0.5B Qwen2-style model from its config (random init, no download), shard it with
-``mugrpo.training.distributed.apply_fsdp`` exactly as the trainer does, then run the trainer's own
+``mugrpo.kit.distributed.apply_fsdp`` exactly as the trainer does, then run the trainer's own
 ``Trainer.update`` for a few updates on a synthetic stage dataset (random tokens, responses of
 random length, behaviour log-probs near the random-init model's, advantages +-1). It also times the
 engine-sync gather (``full_state_items``, one full parameter at a time).
@@ -39,9 +39,10 @@ import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mugrpo.training import distributed as dist  # noqa: E402
+from mugrpo.kit import distributed as dist  # noqa: E402
+from mugrpo.stages import shards
 from mugrpo.config import load_config  # noqa: E402
-from mugrpo.training.data import StageData  # noqa: E402
+from mugrpo.stages.data import StageData
 from mugrpo.config.plan import make_plan  # noqa: E402
 from mugrpo.training.trainer import RunState, Trainer, build_optimizer  # noqa: E402
 
@@ -144,7 +145,7 @@ def run_variant(name: str, overrides: dict, args, world: dist.World) -> dict:
     state = RunState()
     times, tokens, flops, losses = [], [], [], []
     for u in range(args.updates + 1):
-        groups = dist.rank_update_groups(data, P // world.size, u, cfg.train.seed, 0)
+        groups = shards.rank_update_groups(data, P // world.size, u, cfg.train.seed, 0)
         seqs = [g * G + j for g in groups for j in range(G)]
         if args.device == "cuda":
             torch.cuda.synchronize()

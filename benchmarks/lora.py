@@ -43,7 +43,7 @@ def _status_kb(key: str) -> int:
 
 
 def synthetic_stage(vocab: int, P: int, seed: int = 0):
-    from mugrpo.training.data import StageData
+    from mugrpo.stages.data import StageData
 
     gen = torch.Generator().manual_seed(seed)
     G = 8
@@ -58,10 +58,10 @@ def synthetic_stage(vocab: int, P: int, seed: int = 0):
 
 def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     """Runs in the subprocess: everything measured for one configuration."""
-    from mugrpo.training import distributed as dist
+    from mugrpo.kit import distributed as dist
     from mugrpo.models import lora
     from mugrpo.config import load_config
-    from mugrpo.training.distributed import World
+    from mugrpo.kit.distributed import World
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan

@@ -62,12 +62,12 @@ def run_job(mode: str, extra: list[str]) -> float:
 def offline_mismatch(run_dir: Path) -> dict:
     """The engine run's stage 0: recompute its behaviour log-probs with the initial model, as the
     ``trainer`` mode would have at that stage's start, and take the same metrics."""
-    from mugrpo.training import tis
+    from mugrpo.stages import tis
     from mugrpo.training.trainer import step_settings
-    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.kit.lifecycle import resume_config
     from mugrpo.run_dir import RunDir
-    from mugrpo.training.data import StageData
-    from mugrpo.training.distributed import World
+    from mugrpo.stages.data import StageData
+    from mugrpo.kit.distributed import World
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
 
@@ -89,11 +89,12 @@ def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
     same sequences and weights (shared-prefix rows packed to 1024 tokens vs one sequence per
     micro-batch), in bf16 autocast and in float32: why a stage's first update sees |log rho| > 0
     even against the trainer's own recompute."""
-    from mugrpo.training.batching import micro_batches, sequences_to_train
-    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.kit.batching import micro_batches, sequences_to_train
+    from mugrpo.kit.lifecycle import resume_config
     from mugrpo.run_dir import RunDir
-    from mugrpo.training.data import StageData, collate
-    from mugrpo.training.forward import response_logprobs, shared_prefix_support
+    from mugrpo.stages.data import StageData
+    from mugrpo.kit.batching import collate
+    from mugrpo.kit.forward import response_logprobs, shared_prefix_support
     from mugrpo.models.loading import load_policy, resolve_model_path
 
     cfg = resume_config(run_dir, [])
@@ -124,11 +125,11 @@ def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
 def stored_mismatch(run_dir: Path) -> dict:
     """The ``trainer`` run's mismatch metrics per stage, from the trainer log-probs stored in its shards
     (the same numbers as its stage lines; available as soon as a stage is generated)."""
-    from mugrpo.training import tis
+    from mugrpo.stages import tis
     from mugrpo.training.trainer import step_settings
-    from mugrpo.training.checkpoint import resume_config
-    from mugrpo.training.data import SHARDS_FILE, StageData, shard_path
-    from mugrpo.training.distributed import World
+    from mugrpo.kit.lifecycle import resume_config
+    from mugrpo.stages.data import SHARDS_FILE, StageData, shard_path
+    from mugrpo.kit.distributed import World
 
     cfg = resume_config(run_dir, [])
     out = {}

@@ -109,7 +109,7 @@ def train(config: ConfigLike = None, *, preset: Optional[str] = None,
       replaying the source it recorded.
     """
     from mugrpo.rollout.tasks import build_task
-    from mugrpo.training.trainer import train as run_training
+    from mugrpo.pipeline import train as run_training
 
     if resume:
         if run_dir is None:
@@ -155,8 +155,8 @@ def sft(config: ConfigLike = None, *, data: Any = None, preset: Optional[str] = 
     - ``resume=True``: continue the warm start in ``run_dir`` from its last checkpoint; one trained on
       rows needs the same rows again as ``data``.
     """
-    from mugrpo.training.checkpoint import resume_config
-    from mugrpo.warmstart.phase import sft as run_sft
+    from mugrpo.kit.lifecycle import resume_config
+    from mugrpo.pipeline import sft as run_sft
     from mugrpo.warmstart.source import rows_label
 
     rows = None if data is None or isinstance(data, (str, Path)) else _as_rows(data, "data")
@@ -246,7 +246,7 @@ def _set_rewards(cfg: Config, funcs, weights) -> None:
 
 def _resumed_config(run_dir: Path, funcs, weights) -> Config:
     """The run's config, with the Python reward functions it was trained with put back in place."""
-    from mugrpo.training.checkpoint import resume_config
+    from mugrpo.kit.lifecycle import resume_config
 
     cfg = resume_config(run_dir, [])
     stored = [spec["fn"] for spec in cfg.task.rewards]

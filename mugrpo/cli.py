@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from mugrpo import stopping
 from mugrpo.config import PRESETS, ConfigError, load_config
 from mugrpo.errors import UserError
 
@@ -83,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.verb == "config":
             return _config_verb(args)
-        return _train_verb(args)  # train or sft
+        # train or sft: the stop handler first, before any heavy import, and until the last write
+        with stopping.hold():
+            return _train_verb(args)
+    except stopping.Interrupted as exc:
+        print(f"[mugrpo] {exc}", file=sys.stderr)
+        return 130
     except UserError as exc:  # every module's user-facing error derives from it (mugrpo/errors.py)
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
@@ -136,9 +142,8 @@ def _config_verb(args) -> int:
 def _train_verb(args) -> int:
     """``mugrpo train`` (a warm start first with ``warmstart.data``) and ``mugrpo sft`` (the warm start alone)."""
     from mugrpo.api import default_run_dir
-    from mugrpo.training.checkpoint import Interrupted, resume_config
-    from mugrpo.training.trainer import train
-    from mugrpo.warmstart.phase import sft
+    from mugrpo.kit.lifecycle import resume_config
+    from mugrpo.pipeline import sft, train
 
     for flag, value in (("--run-dir", args.run_dir), ("--resume", args.resume)):
         if value and Path(value).exists() and not Path(value).is_dir():
@@ -156,14 +161,10 @@ def _train_verb(args) -> int:
     else:
         cfg = _resolve(args)
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(cfg, "sft" if args.verb == "sft" else None)
-    try:
-        if args.verb == "sft":
-            final = sft(cfg, run_dir, resume=bool(args.resume))
-        else:
-            final = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
-    except Interrupted as exc:
-        print(f"[mugrpo] {exc}", file=sys.stderr)
-        return 130
+    if args.verb == "sft":
+        final = sft(cfg, run_dir, resume=bool(args.resume))
+    else:
+        final = train(cfg, run_dir, resume=bool(args.resume), replay=args.replay)
     if os.environ.get("RANK", "0") == "0":  # under torchrun: once, not once per process
         print(f"[mugrpo] done. Run directory: {run_dir}  final model: {final}")
     return 0

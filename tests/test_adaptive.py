@@ -15,7 +15,7 @@ from mugrpo.algo.adaptive import end_reason, guard_trips, stage_length
 from mugrpo.config import ConfigError, load_config
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.config.plan import format_plan, make_plan
-from mugrpo.training.trainer import train
+from mugrpo.pipeline import train
 
 
 def _schedule(guard="kl", kl_max=0.05, neg_min=0.8, min_updates=1):

@@ -8,14 +8,16 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "mugrpo"
 
 LAYERS = [
-    {"registry", "errors", "seeds", "faults", "run_dir", "hardware"},
+    {"registry", "errors", "seeds", "faults", "run_dir", "hardware", "stopping"},
     {"algo"},
     {"models", "rollout"},
     {"config"},
     {"observability"},
     {"evaluation"},
+    {"kit"},
+    {"stages"},
     {"training", "warmstart"},
-    {"api", "cli", "__main__", "__init__"},
+    {"api", "cli", "pipeline", "__main__", "__init__"},
 ]
 """Bottom to top: a module may import its own layer's and lower layers' modules only (lazily or not)."""
 
@@ -42,10 +44,23 @@ def _unit(dotted: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _upward(here: str, tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, target) of every import in ``tree`` (a module of layer unit ``here``) of a higher layer."""
-    out = []
+def _type_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks: imports for annotations only, never run."""
+    inside = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            inside |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return inside
+
+
+def _upward(here: str, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, target) of every import in ``tree`` (a module of layer unit ``here``) of a higher layer;
+    imports for type annotations only (``if TYPE_CHECKING:``) do not count."""
+    out = []
+    skip = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         targets = []
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mugrpo"):
             targets = [node.module] if node.module != "mugrpo" else [f"mugrpo.{a.name}" for a in node.names]
@@ -67,6 +82,12 @@ def test_the_layer_check_sees_upward_imports_lazy_ones_too():
     source = "from mugrpo import seeds\ndef f():\n    from mugrpo.training import trainer\n    import mugrpo.config\n"
     assert _upward("rollout", ast.parse(source)) == [(3, "mugrpo.training"), (4, "mugrpo.config")]
     assert _upward("training", ast.parse(source)) == []
+
+
+def test_the_layer_check_ignores_imports_for_annotations_only():
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mugrpo.stages.data import StageData\n"
+              "from mugrpo.training import trainer\n")
+    assert _upward("kit", ast.parse(source)) == [(4, "mugrpo.training")]
 
 
 @pytest.mark.parametrize("limit", [8])

@@ -1,4 +1,4 @@
-"""The exact speed-ups of the optimisation phase (mugrpo.training.batching, mugrpo.training.forward) against the plain path.
+"""The exact speed-ups of the optimisation phase (mugrpo.kit.batching, mugrpo.kit.forward) against the plain path.
 
 Shared-prefix rows, the zero-advantage skip and token-budget micro-batches must give the plain
 path's per-token log-probs and every parameter's gradient: in float32 to a relative 1e-5, in float64
@@ -8,11 +8,12 @@ import pytest
 import torch
 from conftest import TINY_OVERRIDES
 
-from mugrpo.training.batching import block_mask, make_rows, micro_batches, pack_rows, sequences_to_train
+from mugrpo.kit.batching import block_mask, make_rows, micro_batches, pack_rows, sequences_to_train
 from mugrpo.config import load_config
-from mugrpo.training.data import StageData, collate
-from mugrpo.training.distributed import World
-from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.stages.data import StageData
+from mugrpo.kit.batching import collate
+from mugrpo.kit.distributed import World
+from mugrpo.kit.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.loading import load_policy
 from mugrpo.config.plan import make_plan
 from mugrpo.training.trainer import RunState, Trainer

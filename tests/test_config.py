@@ -117,7 +117,7 @@ def test_schedule_rules_that_span_sections_are_checked_by_validate():
 
 def test_resume_safe_keys_come_from_field_metadata():
     from mugrpo.config import resume_safe_keys
-    from mugrpo.training.checkpoint import RESUME_SAFE_KEYS
+    from mugrpo.kit.lifecycle import RESUME_SAFE_KEYS
 
     keys = resume_safe_keys()
     assert RESUME_SAFE_KEYS == keys
@@ -131,7 +131,8 @@ def test_resume_safe_keys_come_from_field_metadata():
 
 def test_resume_refuses_a_vllm_section_change():
     from mugrpo.config import to_dict
-    from mugrpo.training.checkpoint import RunDirError, check_resume_compatible
+    from mugrpo.run_dir import RunDirError
+    from mugrpo.kit.lifecycle import check_resume_compatible
 
     saved = to_dict(load_config())
     changed = to_dict(load_config(overrides=["rollout.vllm.max_num_seqs=8"]))

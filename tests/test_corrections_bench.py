@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.smollm import corrections
 from mugrpo.config import load_config
-from mugrpo.training.replay import MATCH_KEYS, _get
+from mugrpo.stages.replay import MATCH_KEYS, _get
 
 Z = corrections.Sizing(eval_items=64, eval_every=64)
 

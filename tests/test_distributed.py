@@ -19,8 +19,10 @@ import torch
 from conftest import TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo.training import distributed as dist
-from mugrpo.training.data import StageData, update_groups
+from mugrpo.kit import distributed as dist
+from mugrpo.stages import shards
+from mugrpo.stages.data import StageData
+from mugrpo.kit.order import update_groups
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -52,14 +54,14 @@ def test_one_process_holding_both_shards_draws_the_union_of_the_two_ranks_miniba
     for shard, first in ((0, 0), (1, 100)):
         _stage(6, first_item=first).save(dist.shard_path(tmp_path, shard))
     (tmp_path / dist.SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [6, 6]}))
-    both = dist.load_stage_shards(tmp_path, dist.World())
+    both = shards.load_stage_shards(tmp_path, dist.World())
     assert both.shard_sizes == [6, 6] and both.num_groups == 12
     for update in range(5):  # 5 updates x 2 groups > 6: crosses into the second pass
-        one = [both.item_indices[g] for g in dist.rank_update_groups(both, 4, update, seed=3, stage=1)]
+        one = [both.item_indices[g] for g in shards.rank_update_groups(both, 4, update, seed=3, stage=1)]
         per_rank = []
         for rank in range(2):
             shard = StageData.load(dist.shard_path(tmp_path, rank))
-            per_rank += [shard.item_indices[g] for g in dist.rank_update_groups(shard, 2, update, seed=3, stage=1)]
+            per_rank += [shard.item_indices[g] for g in shards.rank_update_groups(shard, 2, update, seed=3, stage=1)]
         assert one == per_rank
         assert one[:2] == update_groups(6, 2, update, 3, 1)  # shard 0's draw is the plain one
 
@@ -68,12 +70,12 @@ def test_a_stage_is_loaded_only_once_every_shard_is_written(tmp_path):
     # Rank 0 had saved its shard when generation died: no shards.json, so the stage is generated
     # again by every rank (loading on some ranks and generating on others would deadlock).
     _stage(4).save(dist.shard_path(tmp_path, 0))
-    assert dist.load_stage_shards(tmp_path, dist.World()) is None
+    assert shards.load_stage_shards(tmp_path, dist.World()) is None
     _stage(4).save(dist.shard_path(tmp_path, 1))
     (tmp_path / dist.SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [4, 4]}))
-    assert dist.load_stage_shards(tmp_path, dist.World()).num_groups == 8
+    assert shards.load_stage_shards(tmp_path, dist.World()).num_groups == 8
     with pytest.raises(ValueError, match="divides 2"):  # 2 shards cannot be split over 3 ranks
-        dist.load_stage_shards(tmp_path, dist.World(rank=0, size=3))
+        shards.load_stage_shards(tmp_path, dist.World(rank=0, size=3))
 
 
 def test_optimizer_state_by_name_round_trips_and_saving_creates_no_state():

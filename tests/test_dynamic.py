@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from mugrpo import seeds
-from mugrpo.training.data import StageData, StageDataError
+from mugrpo.stages.data import StageData, StageDataError
 from mugrpo.algo.dynamic import (Rounds, draw_slice, first_round_size, groups_needed, informative_groups,
                                      next_round_size, plan_rows, round_decision, run_rounds, select_groups)
-from mugrpo.training.rounds import assemble, load_round, remove_rounds, round_paths, save_round, sum_records
+from mugrpo.stages.rounds import assemble, load_round, remove_rounds, round_paths, save_round, sum_records
 
 # ---------------------------------------------------------------------------------------------
 # Informative groups.
@@ -282,7 +282,7 @@ def _fake_generate(calls):
 
 
 def _phase(stage_dir, calls, after_round=lambda: None):
-    from mugrpo.training.rounds import Ranks, generate_in_rounds
+    from mugrpo.stages.rounds import Ranks, generate_in_rounds
 
     # 4 needed, oversample 1.5: round 0 = items 0-5 (informative 1, 4, 5: p = 3/6), 1 missing: round 1
     # draws ceil(1 / (3/6)) = 2 items, 6-7, none informative (p = 3/8); round 2 draws ceil(1 x 8 / 3) = 3,
@@ -327,7 +327,7 @@ def test_generate_in_rounds_resumes_between_rounds(tmp_path):
 
 
 def test_round_metrics():
-    from mugrpo.training.rounds import round_metrics
+    from mugrpo.stages.rounds import round_metrics
 
     # 11 groups generated (G = 2) of which 4 informative and 4 kept: 7 groups = 14 sequences not kept;
     # of 3.0 s generating 22 sequences, 14 / 22 x 3.0 = 1.909 s are theirs. Rewards over the 22

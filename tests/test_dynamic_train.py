@@ -15,8 +15,8 @@ from mugrpo.algo.advantages import zero_variance_groups
 from mugrpo.config import ConfigError, load_config
 from mugrpo.config.plan import format_plan, make_plan
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.training.data import StageData
-from mugrpo.training.trainer import train
+from mugrpo.stages.data import StageData
+from mugrpo.pipeline import train
 
 SPARSE = ["task.reward_fn=sparse_rewards:has_one", "rollout.group_size=4"]
 """A binary reward the random tiny model earns about 1 time in 10: most groups of 4 are all zero."""

@@ -6,10 +6,11 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from mugrpo.config import RolloutConfig
-from mugrpo.training.data import StageData, collate
+from mugrpo.stages.data import StageData
+from mugrpo.kit.batching import collate
 from mugrpo.rollout.engines.base import SamplingConfig
 from mugrpo.rollout.engines.hf import HFEngine, left_pad
-from mugrpo.training.forward import response_logprobs
+from mugrpo.kit.forward import response_logprobs
 from mugrpo.models.loading import load_policy, load_tokenizer
 from mugrpo.seeds import derive
 

@@ -7,10 +7,11 @@ import json
 import pytest
 from test_replay import new_cfg, stage, write_run
 
-from mugrpo.training import replay
+from mugrpo.stages import replay
 from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
-from mugrpo.training.data import StageDataError
-from mugrpo.training.distributed import World, load_stage_shards, save_stage_shard
+from mugrpo.stages.data import StageDataError
+from mugrpo.kit.distributed import World
+from mugrpo.stages.shards import load_stage_shards, save_stage_shard
 
 
 def _flip_last_byte(path):

@@ -9,7 +9,8 @@ from conftest import TINY_OVERRIDES
 from test_resume import _env
 
 from mugrpo.config import EvalConfig
-from mugrpo.training.checkpoint import RunState, truncate_metrics
+from mugrpo.kit.checkpoint import RunState
+from mugrpo.kit.lifecycle import truncate_metrics
 
 
 def _train(run_dir, model_dir, *extra, die_at=None):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mugrpo.training.data import ENV_TURN, StageData, write_stage_text
+from mugrpo.stages.data import ENV_TURN, StageData, write_stage_text
 
 SPECIAL = {0: "<eos>"}
 

@@ -14,7 +14,7 @@ from mugrpo.config import load_config
 from mugrpo.errors import TaskError
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.rollout.envs.base import Environment, StepResult
-from mugrpo.training.trainer import train
+from mugrpo.pipeline import train
 
 PROMPT = ["task.few_shot=[]", "task.instruction=", "train.threads=1"]
 BAD = {"bad"}

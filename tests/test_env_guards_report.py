@@ -2,7 +2,7 @@
 traceback (item 8 of issue 27); the counts are the stage's env/* metrics."""
 from types import SimpleNamespace
 
-from mugrpo.training.generation import RoundGenerator
+from mugrpo.stages.generation import RoundGenerator
 
 
 def test_the_first_error_of_each_kind_is_printed_once_per_stage(capsys):

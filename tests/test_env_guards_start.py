@@ -14,7 +14,7 @@ from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.rollout.multiturn import LoopLimits
 from mugrpo.rollout.tasks import build_task
-from mugrpo.training.samplers import RolloutParts, TrajectorySampler
+from mugrpo.stages.samplers import RolloutParts, TrajectorySampler
 
 LIMITS = LoopLimits(max_turns=2, max_response_tokens=8, step_timeout_s=1.0, reset_timeout_s=1.0)
 RELEASE = threading.Event()  # set at the end of the module: lets the hung calls' threads finish

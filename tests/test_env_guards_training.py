@@ -5,7 +5,7 @@ from conftest import TINY_OVERRIDES
 
 from mugrpo.config import load_config
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.training.trainer import train
+from mugrpo.pipeline import train
 
 
 def test_a_run_through_a_hostile_environment_trains_counted_and_reported(tmp_path, tiny_model_dir, capsys):

@@ -29,7 +29,7 @@ def _params(run_dir):
 def test_a_full_disk_while_writing_a_stage_says_so_and_the_run_resumes(tmp_path, tiny_model_dir, monkeypatch,
                                                                        capsys, full_at, start):
     from mugrpo.cli import main
-    from mugrpo.training import data
+    from mugrpo.stages import data
 
     monkeypatch.syspath_prepend(str(TESTS))
     ref_dir = tmp_path / "ref"

@@ -12,7 +12,7 @@ from mugrpo.config import load_config
 from mugrpo.errors import ConfigError
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.rollout.envs.build import build_env_factory, describe_env
-from mugrpo.training.trainer import train
+from mugrpo.pipeline import train
 
 RELEASE = threading.Event()
 

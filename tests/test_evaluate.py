@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from mugrpo.config import load_config
-from mugrpo.training.distributed import World
+from mugrpo.kit.distributed import World
 from mugrpo.rollout.engines import Completion
 from mugrpo.training.evaluator import TrainingEvaluator
-from mugrpo.training.samplers import RolloutParts
+from mugrpo.stages.samplers import RolloutParts
 from mugrpo.evaluation.evaluate import (EvalSettings, generate_and_score, render_prompts,
                              summarize_generations)
 from mugrpo.config.plan import make_plan
@@ -95,7 +95,7 @@ def test_prompt_limit_policies():
 
 
 def _State(stage, update, update_in_stage):
-    from mugrpo.training.checkpoint import RunState
+    from mugrpo.kit.checkpoint import RunState
 
     return RunState(stage=stage, update=update, update_in_stage=update_in_stage)
 

@@ -90,7 +90,7 @@ def test_run_dir_not_writable(tmp_path, tiny_model_dir):
 
 
 def test_truncated_prompts_train(tmp_path, tiny_model_dir):
-    from mugrpo.training.data import StageData
+    from mugrpo.stages.data import StageData
 
     r = _run(tmp_path / "run", tiny_model_dir, "task.max_prompt_tokens=12", "task.prompt_too_long=truncate")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -240,7 +240,7 @@ def test_a_full_disk_while_checkpointing_says_so_and_the_run_resumes(tmp_path, t
     import errno
 
     from mugrpo.cli import main
-    from mugrpo.training import checkpoint
+    from mugrpo.kit import checkpoint
 
     real, calls = checkpoint.save_file, []
 

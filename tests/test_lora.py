@@ -12,18 +12,20 @@ import torch
 from conftest import TESTS, TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo.training import checkpoint as ckpt
-from mugrpo.training import distributed as dist
+from mugrpo.kit import checkpoint as ckpt
+from mugrpo.kit import distributed as dist
 from mugrpo.config import ConfigError, LoraConfig, load_config
-from mugrpo.training.batching import micro_batches
-from mugrpo.training.data import StageData, collate
-from mugrpo.training.distributed import World
+from mugrpo.kit.batching import micro_batches
+from mugrpo.stages.data import StageData
+from mugrpo.kit.batching import collate
+from mugrpo.kit.distributed import World
 from mugrpo.rollout.engines.hf import HFEngine
-from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.kit.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.lora import LoraError, apply_lora, checkpoint_weights, lora_layers
 from mugrpo.models.loading import load_policy, load_tokenizer
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, Trainer, train
+from mugrpo.pipeline import train
+from mugrpo.training.trainer import RunState, Trainer
 
 from test_batching import _seqs_of, _stage
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 from test_distributed import COMMON, _mugrpo, _records, _resume_copy, _weights
 
-from mugrpo.training import distributed as dist
-from mugrpo.training.data import StageData
+from mugrpo.kit import distributed as dist
+from mugrpo.stages import shards
+from mugrpo.stages.data import StageData
 
 ENV = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12", "env.max_turns=3"]
 
@@ -18,7 +19,7 @@ def test_two_ranks_with_an_environment_match_one_process_on_the_same_trajectorie
                 "schedule.num_stages=2", "schedule.micro_batch_size=8"])
     # Each rank's shard holds its own trajectories, turns included; the stage records sum both ranks.
     world = dist.World()
-    stage = dist.load_stage_shards(two / "stages" / "stage_000", world)
+    stage = shards.load_stage_shards(two / "stages" / "stage_000", world)
     assert stage.turns is not None and any(k < 0 for t in stage.turns for k in t)
     shard = StageData.load(dist.shard_path(two / "stages" / "stage_000", 0))
     assert len(shard.responses) < len(stage.responses)

@@ -9,9 +9,10 @@ from mugrpo.rollout.engines.base import SamplingConfig
 from mugrpo.rollout.engines.hf import HFEngine, StopStrings
 from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, run_trajectories
-from mugrpo.training.batching import micro_batches
-from mugrpo.training.data import StageData, collate
-from mugrpo.training.forward import response_logprobs
+from mugrpo.kit.batching import micro_batches
+from mugrpo.stages.data import StageData
+from mugrpo.kit.batching import collate
+from mugrpo.kit.forward import response_logprobs
 
 # The random tiny model samples characters almost uniformly (~1 % each): five one-character stop
 # strings end most 24-token turns early.

@@ -1,4 +1,4 @@
-"""A stage's round sampled through an environment (mugrpo.training.samplers.TrajectorySampler): what
+"""A stage's round sampled through an environment (mugrpo.stages.samplers.TrajectorySampler): what
 scoring needs (texts of the final policy turns, environment rewards, turns); the prompt-length rule."""
 import pytest
 
@@ -8,7 +8,7 @@ from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.rollout.multiturn import LoopLimits
 from mugrpo.rollout.tasks import build_task
 from mugrpo.models.tiny import build_char_tokenizer
-from mugrpo.training.samplers import RolloutParts, TrajectorySampler
+from mugrpo.stages.samplers import RolloutParts, TrajectorySampler
 
 
 class Echo:

@@ -11,8 +11,8 @@ from mugrpo.cli import main
 
 from mugrpo.config import load_config
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.training.data import StageData
-from mugrpo.training.trainer import train
+from mugrpo.stages.data import StageData
+from mugrpo.pipeline import train
 
 ENV = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=16", "env.max_turns=3"]
 ENDS = ("done", "turn_limit", "length", "overflow", "env_error", "env_timeout", "env_bad_output")

@@ -49,8 +49,8 @@ def test_the_update_is_the_gradient_of_the_policy_token_loss_over_the_policy_tok
     from mugrpo.algo.losses import LossInputs, LossSettings, policy_loss
     from mugrpo.config import load_config
     from mugrpo.models.loading import load_policy
-    from mugrpo.training.data import collate
-    from mugrpo.training.forward import response_logprobs
+    from mugrpo.kit.batching import collate
+    from mugrpo.kit.forward import response_logprobs
 
     data = _multi_turn()
     num_policy = sum(data.num_policy_tokens(s) for s in range(len(data.responses)))

@@ -62,8 +62,8 @@ def test_training_with_an_environment_through_vllm(tiny, shared, tmp_path):
     import json
 
     from mugrpo.config import load_config
-    from mugrpo.training.data import StageData
-    from mugrpo.training.trainer import train
+    from mugrpo.stages.data import StageData
+    from mugrpo.pipeline import train
 
     path, _, _ = tiny
     shared.release()  # train() builds its own in-process engine (one per process: vLLM 0.32)

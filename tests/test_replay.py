@@ -1,4 +1,4 @@
-"""Replay sources (mugrpo/training/replay.py): every refusal names its key or file; a good source copies exactly.
+"""Replay sources (mugrpo/stages/replay.py): every refusal names its key or file; a good source copies exactly.
 
 The source run directories are written by hand (config.yaml + stage shards), so these tests need no
 model; the end-to-end replay (a replayed run equals the original) lives in tests/test_trainer.py.
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mugrpo.config import dump_yaml, load_config
-from mugrpo.training import replay
+from mugrpo.stages import replay
 from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
-from mugrpo.training.data import StageData
+from mugrpo.stages.data import StageData
 
 BASE = ["model.name=/models/tiny", "task.few_shot=[]", "task.instruction=", "schedule.total_updates=4",
         "schedule.num_stages=1", "schedule.prompts_per_update=2", "rollout.group_size=2"]

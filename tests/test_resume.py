@@ -168,7 +168,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_an_older_one(tmp_path, referenc
 
 
 def test_second_process_on_a_run_dir_is_refused(tmp_path, reference):
-    from mugrpo.training.checkpoint import LOCK_FILE
+    from mugrpo.run_dir import LOCK_FILE
 
     run_dir = _copy(reference, tmp_path)
     metrics = (run_dir / "metrics.jsonl").read_bytes()

@@ -9,7 +9,7 @@ import torch
 
 from mugrpo.rollout.envs.builtin import calculate
 from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
-from mugrpo.training.data import StageData
+from mugrpo.stages.data import StageData
 from mugrpo.warmstart.data import load_demonstrations
 from mugrpo.warmstart.demos import calculator_rows, select_from_run, solved_trace, write_jsonl
 

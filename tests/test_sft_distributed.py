@@ -1,7 +1,7 @@
 """``mugrpo sft`` in 2 gloo processes under torchrun (FSDP2) against one process, on CPU.
 
-The warm start shares RL's model side (:func:`mugrpo.training.model_parts.build_model`, FSDP2 from
-:mod:`mugrpo.training.distributed`); these tests check that it also shares RL's data-parallel
+The warm start shares RL's model side (:func:`mugrpo.kit.model_parts.build_model`, FSDP2 from
+:mod:`mugrpo.kit.distributed`); these tests check that it also shares RL's data-parallel
 contract: the ranks split each step's examples and make the single process's steps, rank 0 alone
 writes (into rank 0's run directory), and a killed 2-process warm start resumes to the
 uninterrupted run's weights.

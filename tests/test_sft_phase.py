@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from mugrpo.config import ConfigError, dump_yaml, load_config
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.run_dir import RunDir
-from mugrpo.warmstart.loss import num_steps, sft_loss, step_examples
+from mugrpo.warmstart.loss import num_steps, sft_loss
+from mugrpo.kit.order import step_examples
 from mugrpo.warmstart.render import Example
 
 ANSWER = "11111"
@@ -64,7 +65,7 @@ def test_number_of_steps():
 
 
 def test_untrained_turn_leaves_the_mask():
-    from mugrpo.training.data import collate
+    from mugrpo.kit.batching import collate
     from mugrpo.warmstart.phase import as_stage_data
 
     # turn 0 trained (2 tokens), an environment token, turn 1 marked train: false (2 tokens)
@@ -96,7 +97,7 @@ def demos(tmp_path_factory):
 
 
 def _phase(tiny_model_dir, demos, tmp_path, *overrides):
-    from mugrpo.training import distributed as dist
+    from mugrpo.kit import distributed as dist
     from mugrpo.warmstart.phase import WarmStart, load
 
     cfg = load_config(overrides=[f"model.name={tiny_model_dir}", f"warmstart.data={demos}", *SFT_KEYS, *overrides])
@@ -104,7 +105,7 @@ def _phase(tiny_model_dir, demos, tmp_path, *overrides):
 
 
 def test_micro_batching_does_not_change_the_gradient(tiny_model_dir, demos, tmp_path):
-    from mugrpo.training.batching import micro_batches
+    from mugrpo.kit.batching import micro_batches
 
     phase = _phase(tiny_model_dir, demos, tmp_path, "warmstart.batch_size=4")
     seqs = [0, 3, 4, 5]
@@ -223,8 +224,9 @@ def train_reference(tmp_path_factory, tiny_model_dir, demos):
 def test_rl_run_starts_from_the_warm_started_model(train_reference, sft_reference, tiny_model_dir):
     import yaml
 
-    from mugrpo.training.data import StageData, collate
-    from mugrpo.training.forward import response_logprobs
+    from mugrpo.stages.data import StageData
+    from mugrpo.kit.batching import collate
+    from mugrpo.kit.forward import response_logprobs
 
     warm = train_reference / "warmstart"
     # The sub-run is the warm start `mugrpo sft` does with the same settings: the same weights.
@@ -261,7 +263,7 @@ def test_rl_run_killed_in_its_warm_start_resumes_bitwise(tmp_path, tiny_model_di
 
 
 def test_warm_start_of_another_base_model_is_refused(tmp_path, tiny_model_dir, demos):
-    from mugrpo.warmstart.phase import warm_start_model
+    from mugrpo.pipeline import warm_start as warm_start_model
 
     base = load_config(overrides=[f"model.name={tiny_model_dir}", f"warmstart.data={demos}"])
     sub = RunDir(tmp_path / "run").warmstart

@@ -14,7 +14,7 @@ from conftest import TINY_OVERRIDES
 from mugrpo.config import ConfigError, load_config
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
-from mugrpo.training.data import StageData
+from mugrpo.stages.data import StageData
 
 RL_KEYS = [*TINY_OVERRIDES, *SFT_KEYS, "warmstart.epochs=4", "schedule.total_updates=2", "schedule.num_stages=2",
            "schedule.prompts_per_update=4", "rollout.group_size=4", "eval.num_items=0"]

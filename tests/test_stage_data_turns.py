@@ -4,9 +4,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo.training import distributed as dist
-from mugrpo.training.batching import micro_batches
-from mugrpo.training.data import FORMAT_VERSION, StageData, StageDataError, collate
+from mugrpo.kit import distributed as dist
+from mugrpo.stages import shards
+from mugrpo.kit.batching import micro_batches
+from mugrpo.stages.data import FORMAT_VERSION, StageData, StageDataError
+from mugrpo.kit.batching import collate
 
 
 def _stage(turns=True):
@@ -65,5 +67,5 @@ def test_sharded_stages_concatenate_turns(tmp_path):
     _stage().save(dist.shard_path(tmp_path, 0))
     _stage(turns=False).save(dist.shard_path(tmp_path, 1))
     (tmp_path / dist.SHARDS_FILE).write_text('{"num_shards": 2, "num_groups": [1, 1]}')
-    data = dist.load_stage_shards(tmp_path, dist.World())
+    data = shards.load_stage_shards(tmp_path, dist.World())
     assert data.turns == [[0, 0, -1, -1, 1], [0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0]]

@@ -1,4 +1,4 @@
-"""loss.behavior_logprobs=trainer (mugrpo.training.tis): the TIS weight and mismatch metrics by hand, the
+"""loss.behavior_logprobs=trainer (mugrpo.stages.tis): the TIS weight and mismatch metrics by hand, the
 trainer-side recompute against a plain per-sequence forward, persistence, bad input, end to end."""
 import dataclasses
 import math
@@ -11,16 +11,18 @@ import torch
 from conftest import TESTS, TINY_OVERRIDES
 from safetensors.torch import load_file
 
-from mugrpo.training import tis
-from mugrpo.training.batching import collate_shared, make_rows
+from mugrpo.stages import tis
+from mugrpo.kit.batching import collate_shared, make_rows
 from mugrpo.config import ConfigError, LossConfig, load_config
-from mugrpo.training.data import StageData, StageDataError, collate
-from mugrpo.training.distributed import World
-from mugrpo.training.forward import response_logprobs
+from mugrpo.stages.data import StageData, StageDataError
+from mugrpo.kit.batching import collate
+from mugrpo.kit.distributed import World
+from mugrpo.kit.forward import response_logprobs
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.models.loading import load_policy
 from mugrpo.algo.losses import LossSettings
-from mugrpo.training.trainer import step_settings, train
+from mugrpo.pipeline import train
+from mugrpo.training.trainer import step_settings
 
 
 def test_tis_weights_by_hand():

@@ -4,8 +4,8 @@ from conftest import TINY_OVERRIDES
 
 from mugrpo.config import load_config
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.training.generation import start_signal
-from mugrpo.training.trainer import train
+from mugrpo.stages.generation import start_signal
+from mugrpo.pipeline import train
 
 
 def test_the_start_signal_line_by_hand():

@@ -7,10 +7,11 @@ import torch
 from conftest import TINY_OVERRIDES
 
 from mugrpo.config import load_config
-from mugrpo.training.data import StageData
+from mugrpo.stages.data import StageData
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, Trainer, train
+from mugrpo.pipeline import train
+from mugrpo.training.trainer import RunState, Trainer
 
 UPDATE_KEYS = ["loss/policy", "loss/clip_frac_low", "loss/clip_frac_high", "loss/veto_token_frac",
                "loss/veto_seq_frac", "loss/trigger_frac", "loss/ratio_mean_neg", "loss/ratio_mean_pos",
@@ -74,7 +75,7 @@ def test_stale_updates_show_drift_within_a_stage(tmp_path, tiny_model_dir):
 def test_micro_batch_split_gives_the_same_update(tiny_model_dir, tmp_path):
     _, run_dir, _ = _run(tmp_path, tiny_model_dir, "mu-grpo", ["train.save_final_model=false"])
     data = StageData.load(run_dir / "stages" / "stage_001" / "rollouts_rank0.safetensors")
-    from mugrpo.training.distributed import World
+    from mugrpo.kit.distributed import World
     from mugrpo.models.loading import load_policy
 
     grads = []

@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from mugrpo.config import Config
-from mugrpo.training.data import StageData, collate
+from mugrpo.stages.data import StageData
+from mugrpo.kit.batching import collate
 from mugrpo.rollout.engines import make_engine
 from mugrpo.rollout.engines.base import SamplingConfig
 from mugrpo.models.loading import load_policy, load_tokenizer
 from mugrpo.models.tiny import build_tiny_model
-from mugrpo.training.forward import response_logprobs
+from mugrpo.kit.forward import response_logprobs
 
 PROMPTS = ["u:Calculate 5 - 3.\na:", "u:Hi\na:", "u:What is 7 + 1?\na:", "u:Say 111\na:"]
 
@@ -358,7 +359,7 @@ def test_subprocess_engine_syncs_through_shared_memory(tiny):
 @pytest.mark.vllm
 def test_training_through_vllm_raises_the_reward(tiny, shared, tmp_path):
     from mugrpo.config import load_config
-    from mugrpo.training.trainer import train
+    from mugrpo.pipeline import train
 
     path, _, _ = tiny
     shared.release()

@@ -101,7 +101,7 @@ def mugrpo_overrides(size: Size, method: str, args) -> list[str]:
 
 def run_mugrpo(method: str, size: Size, args) -> dict:
     from benchmarks.evaluate import UpdateEvaluator, patched_trainer
-    from mugrpo.training import trainer
+    from mugrpo import pipeline
     from mugrpo.config import load_config
     from mugrpo.observability.loggers import read_metrics
     from mugrpo.models.loading import load_tokenizer, resolve_model_path
@@ -115,7 +115,7 @@ def run_mugrpo(method: str, size: Size, args) -> dict:
                                 samples=size.eval_samples, max_new_tokens=size.max_new_tokens, batch_size=64)
     timers: dict = {}
     with patched_trainer(evaluator, timers):
-        trainer.train(cfg, run_dir)
+        pipeline.train(cfg, run_dir)
     records = read_metrics(run_dir / "metrics.jsonl")
     clock = evaluator.clock(records)
     stages = [r for r in records if r["kind"] == "stage"]

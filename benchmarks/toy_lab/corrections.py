@@ -11,7 +11,7 @@ update, at two learning rates: ``--lrs`` (default 1.5e-4, S x lr = 9.6x the pape
 Per seed, the first run (IcePop at the first lr, which needs the trainer's recomputed behaviour
 log-probs, so its stage data carries both the engine's and the trainer's) generates stage 0; its
 run folder is kept, and every other run of that seed *replays* it (``mugrpo train --replay``,
-:mod:`mugrpo.training.replay`): the same 1,024 rollouts, behaviour log-probs and advantages, so the
+:mod:`mugrpo.stages.replay`): the same 1,024 rollouts, behaviour log-probs and advantages, so the
 methods differ only in their updates. Stage-0 data does not depend on the lr (it is sampled from the
 warm start), so one source serves both lrs.
 

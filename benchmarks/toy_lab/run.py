@@ -154,7 +154,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
     """One training run with evaluations; ``keep``: move the run folder there (with its stage
     rollouts as text) instead of deleting it; ``replay``: train on that run's stages instead of
     generating (``mugrpo train --replay``)."""
-    from mugrpo.training import trainer
+    from mugrpo import pipeline
     from mugrpo.config import load_config
     from mugrpo.observability.loggers import read_metrics
     from mugrpo.models.loading import load_tokenizer
@@ -172,7 +172,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, size: LabSi
                                 max_new_tokens=size.max_new_tokens)
     t0, cpu0 = time.perf_counter(), _cpu_s()
     with patched_trainer(evaluator):
-        trainer.train(cfg, run_dir, **({"replay": replay} if replay is not None else {}))
+        pipeline.train(cfg, run_dir, **({"replay": replay} if replay is not None else {}))
     wall_s, cpu_s = time.perf_counter() - t0, _cpu_s() - cpu0
     records = read_metrics(run_dir / "metrics.jsonl")
     if keep is not None:

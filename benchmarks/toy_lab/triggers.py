@@ -4,7 +4,7 @@ The trainer logs only aggregates (trigger fraction, first trigger position). Thi
 run folder kept by ``benchmarks.toy_lab.run --setting long`` (its last stage's rollouts with their
 stored behaviour log-probs, and the final checkpoint, i.e. the policy after the stage's last
 update) and recomputes every token's log-ratio log pi_theta - log pi_b with
-:func:`mugrpo.training.forward.response_logprobs`, the trainer's own forward. It then reports, for
+:func:`mugrpo.kit.forward.response_logprobs`, the trainer's own forward. It then reports, for
 negative-advantage responses:
 
 - how many trigger at delta = 1e-2, 1e-3, 1e-4, and where the first trigger sits;
@@ -55,8 +55,9 @@ def stage_log_ratios(run_dir: Path):
     from transformers import AutoModelForCausalLM
 
     from mugrpo.config import load_config
-    from mugrpo.training.data import StageData, collate, shard_path
-    from mugrpo.training.forward import response_logprobs
+    from mugrpo.stages.data import StageData, shard_path
+    from mugrpo.kit.batching import collate
+    from mugrpo.kit.forward import response_logprobs
 
     cfg = load_config(file=run_dir / "config.yaml")
     stage = sorted((run_dir / "stages").glob("stage_*"))[-1]

@@ -6,7 +6,7 @@ evaluated on the finalised metrics of the update just done, may end it earlier (
 trainer takes this decision right after the update and BEFORE any checkpoint, so a checkpoint
 is either mid-stage (the stage goes on) or the stage-end one; a resumed run replays the same
 updates, gets bitwise the same metrics and so the same decisions. The guard keeps no history:
-nothing about it needs to be in :class:`mugrpo.training.checkpoint.RunState`.
+nothing about it needs to be in :class:`mugrpo.kit.checkpoint.RunState`.
 
 The metrics are those of :func:`mugrpo.algo.losses.finalize_metrics`, already summed over ranks, so
 every rank decides the same. Pure: plain floats in, a reason (or None) out; no config object is

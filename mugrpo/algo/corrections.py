@@ -6,7 +6,7 @@ that multiplies the token loss, whether the surrogate is replaced by a stop-grad
 (CISPO), and its diagnostics as ``[numerator, denominator]`` pairs (the metrics contract of
 :mod:`mugrpo.algo.losses`). :func:`apply_correction` composes a correction with a token loss.
 What lives elsewhere: the surrogate, the veto and the aggregation (:mod:`mugrpo.algo.losses`,
-:mod:`mugrpo.algo.veto`); where each log-prob comes from (:mod:`mugrpo.training.tis`).
+:mod:`mugrpo.algo.veto`); where each log-prob comes from (:mod:`mugrpo.stages.tis`).
 
 The corrections (paper, peer code; details and the choices made in docs/ALGORITHM.md 5c):
 

@@ -1,6 +1,6 @@
 """Truncated importance sampling between the engine's and the trainer's log-probs: pure math.
 
-docs/ALGORITHM.md section 5b; where the weights are used: :mod:`mugrpo.training.tis`.
+docs/ALGORITHM.md section 5b; where the weights are used: :mod:`mugrpo.stages.tis`.
 Tensors in, tensors out; no model, no config. Shapes: B sequences, T response tokens.
 """
 

@@ -120,9 +120,9 @@ class LossSettings:
     seq_len_norm: int
     """L of ``seq-mean-token-sum-norm`` (the run's max new tokens)."""
     behavior_logprobs: str = "engine"
-    """Which stored log-probs the ratio is taken against (:func:`mugrpo.training.update.ratio_inputs`)."""
+    """Which stored log-probs the ratio is taken against (:func:`mugrpo.kit.update.ratio_inputs`)."""
     tis_cap: float = 2.0
-    """C of the TIS weight with ``behavior_logprobs="trainer"`` (:mod:`mugrpo.training.tis`)."""
+    """C of the TIS weight with ``behavior_logprobs="trainer"`` (:mod:`mugrpo.stages.tis`)."""
 
     @classmethod
     def from_config(cls, loss_cfg, seq_len_norm: int) -> "LossSettings":

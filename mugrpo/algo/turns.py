@@ -1,7 +1,7 @@
 """Per-turn views of token-level quantities on multi-turn trajectories (docs/ALGORITHM.md section 6a).
 
 ``turns`` [B, T] int: k >= 0 for a token of policy turn k, -1 for an environment token (the stage
-data's layout, :mod:`mugrpo.training.data`). The loss mask of multi-turn data already excludes
+data's layout, :mod:`mugrpo.stages.data`). The loss mask of multi-turn data already excludes
 environment tokens, so :func:`mugrpo.algo.veto.veto_mask` needs no change across turns: triggers are
 policy tokens, and the ``suffix`` scope drops every later policy token, later turns included.
 These functions only say WHERE the veto acted, by turn.

@@ -269,7 +269,7 @@ class TrainConfig:
 class ParallelConfig:
     """How a multi-process run (``torchrun --nproc_per_node N -m mugrpo train``) shards the policy.
 
-    Applied from outside by :mod:`mugrpo.training.distributed` (FSDP2 ``fully_shard`` per decoder layer, then
+    Applied from outside by :mod:`mugrpo.kit.distributed` (FSDP2 ``fully_shard`` per decoder layer, then
     the root); the model code knows nothing of it. A plain single-process run ignores every field
     except ``activation_checkpointing``.
     """

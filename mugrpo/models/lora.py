@@ -12,7 +12,7 @@ Out of the policy:
 
 - :func:`merged_items`: the weights a plain HF model of the base architecture has, under its names,
   with W + (alpha / r) B @ A in each targeted layer. The engine sync, evaluation and the final export
-  use them (through :func:`mugrpo.training.distributed.full_state_items`); the training model is never
+  use them (through :func:`mugrpo.kit.distributed.full_state_items`); the training model is never
   mutated (no merge/unmerge round trip, so no rounding drift in the trained weights).
 - :func:`save_adapter`: the adapter alone as a peft folder (``adapter_config.json`` +
   ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained(base, folder)`` loads.

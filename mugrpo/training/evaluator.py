@@ -18,20 +18,12 @@ import torch
 from mugrpo import seeds
 from mugrpo.evaluation.evaluate import (EnvEval, EvalSettings, Generations, generate_and_score, render_prompts,
                                         stop_if_nothing_started, summarize_generations)
+from mugrpo.evaluation.schedule import due_in_loop
 from mugrpo.faults import maybe_die
+from mugrpo.kit import distributed as dist
 from mugrpo.rollout.engines import weights_loaded
-from mugrpo.training import checkpoint as ckpt
-from mugrpo.training import distributed as dist
-from mugrpo.training.samplers import RolloutParts
-
-
-def due_in_loop(eval_cfg, update: int) -> bool:
-    """Whether :meth:`TrainingEvaluator.maybe_run` evaluates at ``update``: the initial policy
-    (``eval.at_start``, update 0) and every ``eval.every_updates`` updates. A resumed run calls it
-    before its first update too, so the checkpoint's truncation of metrics.jsonl asks the same."""
-    if update == 0:
-        return bool(eval_cfg.at_start)
-    return bool(eval_cfg.every_updates) and update % eval_cfg.every_updates == 0
+from mugrpo.stopping import Interrupted
+from mugrpo.stages.samplers import RolloutParts
 
 
 class TrainingEvaluator:
@@ -49,10 +41,10 @@ class TrainingEvaluator:
     Under several ranks, each evaluates its share of the items with its own engine and rank 0
     logs the combined result (every rank must call, as for the weight push).
 
-    A stop request (:attr:`stopper`, a :class:`~mugrpo.training.checkpoint.GracefulStop` the loop
+    A stop request (:attr:`stopper`, a :class:`~mugrpo.kit.checkpoint.GracefulStop` the loop
     sets) ends an evaluation within one decode step, as it ends a stage's generation: an in-loop
     one is abandoned without a record (the loop then checkpoints the update and stops; the resumed
-    run evaluates that update again at its start, :func:`due_in_loop`); so is a stage-end one, the
+    run evaluates that update again at its start, :func:`~mugrpo.evaluation.schedule.due_in_loop`); so is a stage-end one, the
     stage then logged and checkpointed as usual with ``RunState.eval_pending`` set, and the resumed
     run evaluates that update at its start.
     """
@@ -94,7 +86,7 @@ class TrainingEvaluator:
             return
         if state.eval_pending:  # a resumed run: the stage-end evaluation a stop abandoned
             if self._run(state) is None:  # abandoned again: stop before anything else, it stays pending
-                raise ckpt.Interrupted(self.stopper.run_dir)
+                self.stopper.check()
             state.eval_pending = False
             return
         if due_in_loop(self.cfg.eval, state.update):
@@ -126,7 +118,7 @@ class TrainingEvaluator:
             try:
                 gen = generate_and_score(self.engine, self.tokenizer, self.task, self.items, self.prompts,
                                          self.settings, progress=lambda n: self._advance(bar, n), env=self.env)
-            except ckpt.Interrupted:
+            except Interrupted:
                 return None
             finally:
                 self.progress.close(bar)
@@ -152,7 +144,7 @@ class TrainingEvaluator:
         self.progress.advance(bar, n)
         maybe_die("eval")
         if self.stopper is not None and self.stopper.requested:
-            raise ckpt.Interrupted(self.stopper.run_dir)
+            self.stopper.check()
 
 
 def _gather(gen: Generations, settings: EvalSettings, world) -> Generations:

@@ -6,23 +6,23 @@ release the engine -> mu optimizer updates on the static data, ratios always aga
 behaviour log-probs. ``grpo`` is this loop with mu = 4. With ``schedule.adaptive`` a stage may end
 before mu updates when a drift guard trips (:mod:`mugrpo.algo.adaptive`); the run always ends after
 ``total_updates``. With ``rollout.dynamic_sampling`` the generation phase runs in rounds
-and keeps the informative groups (:mod:`mugrpo.algo.dynamic`, :mod:`mugrpo.training.generation`).
+and keeps the informative groups (:mod:`mugrpo.algo.dynamic`, :mod:`mugrpo.stages.generation`).
 
 Here: :func:`train` (the loop) and :class:`Trainer`, the one owner of a run's machinery (policy,
 optimizer, scheduler, world, plan, resolved precision, reference model, the rollout parts, logger,
 progress, run state), whose methods are the loop's steps: one optimizer update, a stage's end, a
 checkpoint. Its components are built from the parts they need, not from the trainer: the stage
-source that gives each stage's data (:mod:`mugrpo.training.sources`: generated, single-turn or
+source that gives each stage's data (:mod:`mugrpo.stages.sources`: generated, single-turn or
 trajectories, in one round or dynamic rounds, or replayed) and the evaluator
 (:mod:`mugrpo.training.evaluator`).
 
 What lives elsewhere: the math (:mod:`mugrpo.algo.losses`, :mod:`mugrpo.algo.veto`,
-:mod:`mugrpo.algo.advantages`), the update step's layout, filler passes and normaliser
-(:mod:`mugrpo.training.update`), the schedule arithmetic (:mod:`mugrpo.config.plan`), persistence of
-stage data (:mod:`mugrpo.training.data`), the optional trainer-side behaviour log-probs with TIS
-(:mod:`mugrpo.training.tis`), checkpoints (:mod:`mugrpo.training.checkpoint`), the run directory's
-layout (:mod:`mugrpo.run_dir`), engines (:mod:`mugrpo.rollout.engines`), and multi-process
-concerns (:mod:`mugrpo.training.distributed`). The layers: docs/ARCHITECTURE.md.
+:mod:`mugrpo.algo.advantages`); the trainer kit RL shares with the warm start (:mod:`mugrpo.kit`:
+the accumulate-and-step of :mod:`mugrpo.kit.step`, the update's layout and normaliser in
+:mod:`mugrpo.kit.update`, the run's lifecycle, checkpoints, FSDP2); the schedule arithmetic
+(:mod:`mugrpo.config.plan`); how a stage's data is made and kept (:mod:`mugrpo.stages`); engines
+(:mod:`mugrpo.rollout.engines`). A warm start before RL is run above this module
+(:mod:`mugrpo.pipeline`), which never imports the warm start. The layers: docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -43,25 +43,24 @@ from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
 from mugrpo.rollout.tasks import Task, build_task
-from mugrpo.training import checkpoint as ckpt
-from mugrpo.training import distributed as dist
-from mugrpo.training import replay as replay_mod
-from mugrpo.training.batching import micro_batches
-from mugrpo.training.checkpoint import RunState
-from mugrpo.training.data import StageData
 from mugrpo.faults import maybe_die, should_poison
-from mugrpo.training.evaluator import TrainingEvaluator
-from mugrpo.training.forward import response_logprobs, shared_prefix_support
-from mugrpo.training.lifecycle import RunClaim
-from mugrpo.training.samplers import RolloutParts
-from mugrpo.training.sources import StageSource, build_stage_source, build_store
 from mugrpo.hardware import Resolved, detect, resolve
+from mugrpo.kit import distributed as dist
+from mugrpo.kit.checkpoint import RunState
+from mugrpo.kit.forward import response_logprobs, shared_prefix_support
+from mugrpo.kit.lifecycle import RunLifecycle
+from mugrpo.kit.model_parts import ModelParts, TrainingError, build_model, build_optimizer  # noqa: F401
+from mugrpo.kit.step import accumulate, check_some_steps_applied, device_batches, step_optimizer
+from mugrpo.kit.update import StepSettings, normaliser, ratio_inputs
 from mugrpo.rollout.engines import build_engine
 from mugrpo.run_dir import RunDir
-from mugrpo.training.update import StepSettings, normaliser, ratio_inputs, with_fillers
-from mugrpo.warmstart.phase import warm_start_path, warm_start_model
-from mugrpo.training.model_parts import (ModelParts, TrainingError, build_model, build_optimizer,  # noqa: F401
-                                        step_optimizer)
+from mugrpo.stages import replay as replay_mod
+from mugrpo.stages.data import StageData
+from mugrpo.stages.samplers import RolloutParts
+from mugrpo.stages.shards import rank_update_groups
+from mugrpo.stages.sources import StageSource, build_stage_source, build_store
+from mugrpo.stopping import Interrupted
+from mugrpo.training.evaluator import TrainingEvaluator
 
 
 MAX_TURN_BUCKETS = 8
@@ -72,60 +71,54 @@ MAX_TURN_BUCKETS = 8
 # The loop.
 
 
-def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = None,
-          replay: str | Path | None = None) -> Path:
-    """Run (or resume) a training run in ``run_dir``; returns the final model folder.
+def train(cfg: Config, life: RunLifecycle, task: Task | None = None, replay: str | Path | None = None,
+          model_path: str | None = None) -> Path:
+    """Run (or resume) the RL run that ``life`` holds; returns the final model folder. The run's kind,
+    its warm start and its directory's claim are decided above (:func:`mugrpo.pipeline.train`).
 
     ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s.
     ``replay``: a run directory whose stages this run trains on instead of generating its own
-    (:mod:`mugrpo.training.replay`; a resumed run replays the source it recorded)."""
-    world = dist.init(cfg.parallel.timeout_s)
-    rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
+    (:mod:`mugrpo.stages.replay`; a resumed run replays the source it recorded). ``model_path``: the
+    model to start from instead of ``model.name`` (a warm start's final model)."""
+    world, rd = life.world, life.run_dir
     plan = make_plan(cfg, world.size)
-    if resume and replay is not None:
+    if life.resume and replay is not None:
         raise replay_mod.ReplayError("--replay starts a new run; a resumed run replays the source it recorded "
                                      f"({rd.replay}): drop --replay")
     source = replay_mod.check_source(replay, cfg, world.size) if replay is not None else None
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    warm = cfg.warmstart.data is not None
-    with RunClaim(rd, cfg, resume, world) as run:
-        if resume or warm:  # before any work: a second process on this run directory stops here
-            # A new run with a warm start claims its directory first: the warm start is work a resume must find.
-            run.claim()
-        else:
-            ckpt.check_run_dir_free(rd.path)
-        if resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
-            source = replay_mod.recorded_source(rd.path)
-        if warm:  # RL starts from the warm start's model (warm_start_path): run it, resume it, or find it done
-            warm_start_model(cfg, rd)
-        trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source)
-        run.close_at_exit(trainer.close)
-        if resume:
-            trainer.resume()
-        else:
-            if not warm:  # only now that model, task and engine have loaded: a failed start leaves no run directory
-                run.claim()
-            if source is not None and world.is_main:
-                replay_mod.record_source(rd.path, source)
-        trainer.start()
-        stopper = run.stop_on_signals()
-        trainer.evaluator.stopper = stopper
-        trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
-        while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
-            data, stage_metrics = trainer.source.stage(trainer.state, stopper)
-            reason, optimize_s = trainer.optimise_stage(data, stage_metrics, stopper)
-            if reason is None:  # stopped mid-stage, checkpointed
-                raise ckpt.Interrupted(rd.path)
-            trainer.end_stage(reason, data, stage_metrics, optimize_s)
-            # (at the last stage too, when a stop abandoned its evaluation: the resume runs it, then exports)
-            more = trainer.state.update < plan.total_updates or trainer.state.eval_pending
-            if dist.max_over_ranks(int(stopper.requested)) and more:
-                raise ckpt.Interrupted(rd.path)
-        return trainer.finish()
+    if life.resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
+        source = replay_mod.recorded_source(rd.path)
+    trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source, model_path=model_path)
+    trainer.life = life
+    life.close_at_exit(trainer.close)
+    if life.resume:
+        trainer.resume()
+    else:
+        life.claim()  # (a new run: only now that model, task and engine have loaded, so a failed start leaves nothing)
+        if source is not None and world.is_main:
+            replay_mod.record_source(rd.path, source)
+    life.stop_point()  # a stop during the start: nothing trained yet, the resume starts here
+    trainer.start()
+    stopper = life.stopper
+    trainer.evaluator.stopper = stopper
+    trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
+    life.stop_point()  # a stop that abandoned the starting evaluation: the resume runs it
+    while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
+        data, stage_metrics = trainer.source.stage(trainer.state, stopper)
+        reason, optimize_s = trainer.optimise_stage(data, stage_metrics, stopper)
+        if reason is None:  # stopped mid-stage, checkpointed
+            raise Interrupted(rd.path)
+        trainer.end_stage(reason, data, stage_metrics, optimize_s)
+        # (at the last stage too, when a stop abandoned its evaluation: the resume runs it, then exports)
+        more = trainer.state.update < plan.total_updates or trainer.state.eval_pending
+        if dist.max_over_ranks(int(stopper.requested)) and more:
+            raise Interrupted(rd.path)
+    return trainer.finish()
 
 
 def step_settings(cfg: Config, resolved: Resolved | None = None) -> StepSettings:
-    """The update step's settings (:mod:`mugrpo.training.update`): the one place they are read from the
+    """The update step's settings (:mod:`mugrpo.kit.update`): the one place they are read from the
     config. ``resolved`` defaults to the HF engine's resolution of the config for this machine."""
     resolved = resolved or resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect())
     return StepSettings(loss=LossSettings.from_config(cfg.loss, cfg.rollout.max_new_tokens),
@@ -156,7 +149,7 @@ class Trainer:
     parts: RolloutParts | None = None
     """The rollout engine, task, tokenizer and environment factory (None: single updates only)."""
     source: StageSource | None = None
-    """Where each stage's data comes from (:mod:`mugrpo.training.sources`)."""
+    """Where each stage's data comes from (:mod:`mugrpo.stages.sources`)."""
     run_dir: RunDir | None = None
     state: RunState = field(default_factory=RunState)
     logger: Any = field(default_factory=NullLogger)
@@ -168,6 +161,9 @@ class Trainer:
     """Checkpoint seconds inside the current stage's wall-clock interval (from the previous stage
     record to this one, so the previous stage-end checkpoint counts here)."""
 
+    life: RunLifecycle | None = None
+    """The run's lifecycle: resume, checkpoints, export (None: single updates only)."""
+
     def __post_init__(self):
         cfg = self.cfg
         self.resolved = self.resolved or resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect())
@@ -175,11 +171,11 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: Config, plan: Plan, world, resolved: Resolved, task: Task | None, run_dir: RunDir,
-              replay=None) -> "Trainer":
+              replay=None, model_path: str | None = None) -> "Trainer":
         """Load the model, tokenizer, reference model, optimizer, task and engine for a run, and build
-        its stage source (``replay``: the stages of another run, :mod:`mugrpo.training.sources`). With
-        ``warmstart.data`` the model is the warm start's final model (:mod:`mugrpo.warmstart.phase`)."""
-        m = build_model(cfg, plan, world, model_path=warm_start_path(cfg, run_dir))
+        its stage source (``replay``: the stages of another run, :mod:`mugrpo.stages.sources`).
+        ``model_path``: the model to start from instead of ``model.name`` (a warm start's final model)."""
+        m = build_model(cfg, plan, world, model_path=model_path)
         policy, tokenizer, model_path = m.policy, m.tokenizer, m.model_path
         task = task or build_task(cfg.task)
         env_factory = build_env_factory(cfg.task, cfg.env, task)
@@ -197,13 +193,7 @@ class Trainer:
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) into the policy, optimizer, scheduler and state."""
-        if self.world.is_main:
-            for path in ckpt.remove_stale_temporaries(self.run_dir.path):
-                print(f"[mugrpo] removed {path}, left by an interrupted write")
-        self.state = ckpt.load_latest(self.run_dir.path, self.policy, self.optimizer, self.scheduler,
-                                      self.world) or RunState()
-        if self.world.is_main:
-            ckpt.truncate_metrics(self.run_dir.metrics, self.state, self.cfg.eval)
+        self.state = self.life.resume_state(self.policy, self.optimizer, self.scheduler, self.cfg.eval)
 
     def start(self) -> None:
         """Open the logger, print the plan (and what the environment is, as ``mugrpo plan`` says it), and
@@ -224,10 +214,7 @@ class Trainer:
 
     def save(self) -> float:
         """Checkpoint now; returns the seconds it took."""
-        t = time.perf_counter()
-        ckpt.save(self.run_dir.path, self.policy, self.optimizer, self.scheduler, self.state, self.cfg, self.world,
-                  elapsed_s=t - self.t_start)
-        return time.perf_counter() - t
+        return self.life.save(self.policy, self.optimizer, self.scheduler, self.state, self.t_start)
 
     def log(self, kind: str, metrics: dict, update_in_stage: int) -> None:
         s = self.state
@@ -273,7 +260,7 @@ class Trainer:
     def end_stage(self, reason: str, data: StageData, stage_metrics: dict, optimize_s: float) -> None:
         """Log the stage record, move to the next stage and checkpoint its start."""
         state = self.state
-        # With trainer log-probs already set at the stage's start (mugrpo.training.tis).
+        # With trainer log-probs already set at the stage's start (mugrpo.stages.tis).
         stage_metrics.setdefault("stage/engine_logprob_mismatch", state.stage_first_log_ratio)
         stage_metrics.update(_stage_end_metrics(reason, state, data, self.plan, self.world))
         stage_metrics["perf/optimize_s"] = optimize_s
@@ -289,16 +276,11 @@ class Trainer:
 
     def finish(self) -> Path:
         """Check the run changed the policy, and export the final model; returns its folder."""
-        state = self.state
-        if state.update and state.num_skipped_updates >= state.update:
-            raise TrainingError(f"all {state.update} updates of this run were skipped for a non-finite loss or "
-                                "gradient, so the policy never changed; no final model was written. Check the "
-                                "rewards (reward/num_invalid, stages/*/rollouts.jsonl), lower optim.lr, or turn "
-                                "off train.autocast")
-        final = self.run_dir.final_model
+        check_some_steps_applied(self.state, "updates", "Check the rewards (reward/num_invalid, "
+                                 "stages/*/rollouts.jsonl), lower optim.lr, or turn off train.autocast")
         if self.cfg.train.save_final_model:
-            ckpt.export_hf(self.policy, self.parts.tokenizer, final, self.world)
-        return final
+            return self.life.export(self.policy, self.parts.tokenizer)
+        return self.run_dir.final_model
 
     def close(self) -> None:
         engine = self.parts.engine if self.parts is not None else None
@@ -312,42 +294,32 @@ class Trainer:
     def update(self, data: StageData) -> dict:
         """One optimizer update on this update's minibatch of the stage data; returns finalised metrics.
 
-        Only the sequences that can move the update are computed (:mod:`mugrpo.training.batching`):
+        Only the sequences that can move the update are computed (:mod:`mugrpo.kit.batching`):
         zero-advantage sequences are skipped when no loss term depends on them, each group's prompt is
         encoded once, and micro-batches are cut by tokens. The normaliser still counts every sequence
-        of the update (:func:`mugrpo.training.update.normaliser`).
+        of the update (:func:`mugrpo.kit.update.normaliser`).
         """
         state, world, step, device = self.state, self.world, self.step, self.device
-        groups = dist.rank_update_groups(data, self.plan.prompts_per_update // world.size, state.update_in_stage,
-                                         self.cfg.train.seed, state.stage)
+        groups = rank_update_groups(data, self.plan.prompts_per_update // world.size, state.update_in_stage,
+                                    self.cfg.train.seed, state.stage)
         seqs = [g * data.group_size + j for g in groups for j in range(data.group_size)]
         trained = step.to_train(data, seqs)
-        layout = step.layout(self.policy)
-        batches, real = with_fillers([b.to(device) for b in micro_batches(data, trained, **layout)],
-                                     lambda: [b.to(device) for b in micro_batches(data, seqs[:1], **layout)])
+        batches, real = device_batches(data, trained, seqs[:1], step.layout(self.policy), device)
         denominator = normaliser(self.policy, data, seqs, trained, batches, real, step)
         denominator = dist.sum_over_ranks(denominator.to(device)).clamp(min=1)
         summed = metric_template(step.loss, with_ref=self.ref_model is not None, num_turns=self.num_turn_buckets)
         summed["loss/trained_seq_frac"] = torch.tensor([float(len(trained)), float(len(seqs))])
         poison = should_poison("loss")  # test hook: makes this update's loss NaN
-        for i, mb in enumerate(batches):
-            with dist.no_sync_unless_last(self.policy, i == len(batches) - 1):
-                loss, metrics = self._micro_batch_loss(mb, denominator)
-                if poison:
-                    loss = loss * float("nan")
-                if i >= real:  # a filler pass: the collectives run, nothing is added
-                    loss = loss * 0.0
-                # DDP/FSDP average gradients over ranks; the loss is already a share of the global sum.
-                (loss * world.size).backward()
-            if i < real:
-                for key, value in metrics.items():
-                    summed[key] = summed[key] + value.cpu()
-        if not batches:
-            # Nothing to compute (every sequence has A = 0): the gradient is exactly zero, as the plain
-            # path's would be, and AdamW still steps (moments decay, weight decay applies).
-            _zero_grads(self.policy)
-            if poison:
-                summed["loss/total"] = summed["loss/total"] * float("nan")
+
+        def micro_loss(mb):
+            loss, metrics = self._micro_batch_loss(mb, denominator)
+            return (loss * float("nan") if poison else loss), metrics
+
+        for metrics in accumulate(self.policy, batches, real, world, micro_loss):
+            for key, value in metrics.items():
+                summed[key] = summed[key] + value.cpu()
+        if not batches and poison:  # nothing to compute (every sequence has A = 0): the hook poisons the metric
+            summed["loss/total"] = summed["loss/total"] * float("nan")
         return self._optimizer_step(dist.sum_metrics(summed))
 
     def _micro_batch_loss(self, mb, denominator) -> tuple[torch.Tensor, dict]:
@@ -378,12 +350,6 @@ class Trainer:
         out.update(step_optimizer(self.policy, self.optimizer, self.scheduler, self.state,
                                   self.cfg.optim.max_grad_norm, self.cfg.checkpoint.max_bad_updates, loss_value))
         return out
-
-
-def _zero_grads(policy) -> None:
-    for p in policy.parameters():
-        if p.requires_grad and p.grad is None:
-            p.grad = torch.zeros_like(p)
 
 
 def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan, world) -> dict:

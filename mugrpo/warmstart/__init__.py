@@ -11,7 +11,7 @@
 
 - :mod:`.loss`: the masked token-mean NLL and the seeded data order (pure);
 - :mod:`.phase`: the training phase (``mugrpo sft``, and the warm start of ``mugrpo train``), built
-  from the RL trainer's parts (:mod:`mugrpo.training.model_parts`, batching, forward, checkpoints).
+  from the RL trainer's parts (:mod:`mugrpo.kit.model_parts`, batching, forward, checkpoints).
 
 This package never imports the trainer (:mod:`mugrpo.training.trainer` imports :mod:`.phase`);
 docs/WARMSTART.md.

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 from mugrpo.rollout.envs.builtin import calculate, evaluate_arithmetic
 from mugrpo.rollout.envs.tools import ToolEnvironment, tool_schemas
 from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
-from mugrpo.training.data import StageData
+from mugrpo.stages.data import StageData
 from mugrpo.warmstart.data import tool_call_text
 from mugrpo.warmstart.render import Example
 

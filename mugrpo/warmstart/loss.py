@@ -1,4 +1,5 @@
-"""The warm start's loss and its data order: pure functions on tensors and integers.
+"""The warm start's loss and its step count: pure functions on tensors and integers (its data order is
+the trainer kit's, :func:`mugrpo.kit.order.step_examples`).
 
 Shapes: S sequences in a micro-batch, R its longest response.
 """
@@ -9,7 +10,6 @@ import math
 
 import torch
 
-from mugrpo import seeds
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tensor | float
@@ -25,22 +25,6 @@ def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: torch.Tenso
     """
     nll = -(logprobs * mask.to(logprobs.dtype)).sum()
     return nll / num_tokens, nll.detach()
-
-
-def step_examples(num_examples: int, batch_size: int, step: int, seed: int) -> list[int]:
-    """The examples of optimizer step ``step``: consecutive slices of seeded reshuffles.
-
-    Epoch e is permutation e of one generator seeded by :func:`mugrpo.seeds.sft_order`; step s
-    takes positions s * batch_size .. (s + 1) * batch_size - 1 of the epochs laid end to end (a step
-    may straddle two epochs). A pure function of (seed, step): a resume needs no sampler state.
-    """
-    start = step * batch_size
-    first, last = start // num_examples, (start + batch_size - 1) // num_examples
-    gen = torch.Generator().manual_seed(seeds.sft_order(seed))
-    perms = [torch.randperm(num_examples, generator=gen) for _ in range(last + 1)]
-    order = torch.cat(perms[first:])
-    offset = start - first * num_examples
-    return order[offset: offset + batch_size].tolist()
 
 
 def num_steps(num_examples: int, batch_size: int, epochs: int, steps: int | None) -> int:

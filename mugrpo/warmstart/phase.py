@@ -1,20 +1,20 @@
 """The supervised warm start as a training phase: demonstrations in, an HF model folder out.
 
-:func:`sft` runs (or resumes) a warm-start-only run (``mugrpo sft``); :func:`warm_start_model` runs
-the warm start of an RL run with ``warmstart.data`` inside its run directory (``RUN_DIR/warmstart/``,
-a sub-run with its own config, metrics, checkpoints and final model, skipped once that final model
-exists) and returns the folder RL starts from. :class:`WarmStart` is the phase itself: built from
-the config, it owns the model side, the examples and the run state, and its :meth:`WarmStart.step`
-is one optimizer step.
+:func:`sft` runs (or resumes) a warm-start run: ``mugrpo sft`` (kind ``sft``), or the warm start of a
+``mugrpo train`` run with ``warmstart.data`` (kind ``warmstart``, in ``RUN_DIR/warmstart/``; run by
+:mod:`mugrpo.pipeline`, above both this phase and RL). :class:`WarmStart` is the phase itself: built
+from the config, it owns the model side, the examples and the run state, and its
+:meth:`WarmStart.step` is one optimizer step.
 
-What is shared with RL, not written twice: the model side (:func:`mugrpo.training.model_parts.build_model`:
-tokenizer checks, LoRA, FSDP2, AdamW and its schedule), the data layout (the examples become a
-:class:`~mugrpo.training.data.StageData` of groups of one, cut by
-:func:`~mugrpo.training.batching.micro_batches` under ``schedule.micro_batch_tokens``), the forward
-(:func:`~mugrpo.training.forward.response_logprobs`, at temperature 1.0, not the RL temperature), the
-clip / non-finite skip (:func:`~mugrpo.training.model_parts.step_optimizer`), checkpoints, resume,
-the lock and the export (:mod:`mugrpo.training.checkpoint`), and the logger. What is its own: the
-loss and the data order (:mod:`mugrpo.warmstart.loss`).
+What is shared with RL, not written twice (the trainer kit, :mod:`mugrpo.kit`): the model side
+(:func:`~mugrpo.kit.model_parts.build_model`: tokenizer checks, LoRA, FSDP2, AdamW and its schedule),
+the data layout (the examples become a :class:`~mugrpo.stages.data.StageData` of groups of one, cut by
+:func:`~mugrpo.kit.batching.micro_batches` under ``schedule.micro_batch_tokens``), the forward
+(:func:`~mugrpo.kit.forward.response_logprobs`, at temperature 1.0, not the RL temperature), the
+accumulate-and-step with its filler passes and non-finite skip (:mod:`mugrpo.kit.step`), the seeded
+data order (:func:`~mugrpo.kit.order.step_examples`), the run's lifecycle (claim, lock, stop,
+resume, checkpoints, export: :mod:`mugrpo.kit.lifecycle`), and the logger. What is its own: the loss
+(:mod:`mugrpo.warmstart.loss`).
 
 A policy turn a demonstration marks ``train: false`` gets the environment's turn index (-1) in the
 stage data, so ``MicroBatch.response_mask`` (``turns >= 0``) leaves it out of the loss, as it leaves
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mugrpo.config import Config, ConfigError, from_dict, read_run_config, to_dict
+from mugrpo.config import Config
 from mugrpo.config.plan import make_plan
 from mugrpo.faults import maybe_die
 from mugrpo.hardware import detect, resolve
@@ -39,17 +39,17 @@ from mugrpo.models.loading import load_tokenizer, resolve_model_path
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.run_dir import RunDir
-from mugrpo.training import checkpoint as ckpt
-from mugrpo.training import distributed as dist
-from mugrpo.training.batching import micro_batches
-from mugrpo.training.checkpoint import RunState
-from mugrpo.training.data import StageData
-from mugrpo.training.forward import response_logprobs
-from mugrpo.training.lifecycle import RunClaim
-from mugrpo.training.model_parts import ModelParts, TrainingError, build_model, step_optimizer
-from mugrpo.training.update import with_fillers
+from mugrpo.kit import distributed as dist
+from mugrpo.kit.checkpoint import RunState
+from mugrpo.kit.forward import response_logprobs
+from mugrpo.kit.lifecycle import RunLifecycle
+from mugrpo.kit.model_parts import ModelParts, build_model
+from mugrpo.kit.order import step_examples
+from mugrpo.kit.step import accumulate, check_some_steps_applied, device_batches, step_optimizer
+from mugrpo.stages.data import StageData
+from mugrpo.stopping import Interrupted
 from mugrpo.warmstart.data import DemonstrationError
-from mugrpo.warmstart.loss import num_steps, sft_loss, step_examples
+from mugrpo.warmstart.loss import num_steps, sft_loss
 from mugrpo.warmstart.render import ENV_TURN, Example
 from mugrpo.warmstart.source import Source, load_source, max_length_for
 
@@ -88,6 +88,8 @@ class WarmStart:
     autocast: bool = False
     counts: dict = field(default_factory=dict)
     """The length rule's counts (:func:`mugrpo.warmstart.render.render_demonstrations`)."""
+    life: RunLifecycle | None = None
+    """The run's lifecycle: resume, checkpoints, export (None: single steps only)."""
     state: RunState = field(default_factory=RunState)
     logger: Any = field(default_factory=NullLogger)
     t_start: float = field(default_factory=time.perf_counter)
@@ -119,13 +121,13 @@ class WarmStart:
         return cls(cfg, world, model, as_stage_data(examples), total, run_dir, autocast, counts)
 
     def step(self) -> dict:
-        """One optimizer step on this step's examples (:func:`mugrpo.warmstart.loss.step_examples`)."""
+        """One optimizer step on this step's examples (:func:`mugrpo.kit.order.step_examples`)."""
         cfg, m = self.cfg, self.model
         seqs = step_examples(self.data.num_groups, cfg.warmstart.batch_size, self.state.update, cfg.train.seed)
         mean_nll, num_tokens = self.gradients(seqs)
         out = {"sft/loss": mean_nll, "sft/num_tokens": num_tokens, "sft/num_examples": len(seqs)}
         out.update(step_optimizer(m.policy, m.optimizer, m.scheduler, self.state, cfg.optim.max_grad_norm,
-                                  cfg.checkpoint.max_bad_updates, mean_nll))
+                                  cfg.checkpoint.max_bad_updates, mean_nll, what="warm-start step"))
         return out
 
     def gradients(self, seqs: list[int]) -> tuple[float, float]:
@@ -141,41 +143,27 @@ class WarmStart:
         layout = {"shared": False, "budget": self.cfg.schedule.micro_batch_tokens,
                   "max_seqs": self.cfg.schedule.micro_batch_size, "pad_id": m.tokenizer.pad_token_id}
         mine = seqs[world.rank::world.size]
-        batches, real = with_fillers([b.to(m.device) for b in micro_batches(data, mine, **layout)],
-                                     lambda: [b.to(m.device) for b in micro_batches(data, seqs[:1], **layout)])
+        batches, real = device_batches(data, mine, seqs[:1], layout, m.device)
+
+        def micro_loss(mb):
+            logprobs, _ = response_logprobs(m.policy, mb, SFT_TEMPERATURE, self.autocast, False, False)
+            loss, summed = sft_loss(logprobs, mb.response_mask, max(num_tokens, 1.0))
+            return loss, (summed.float().cpu(), mb.response_mask.sum().float().cpu())
+
         nll, covered = torch.zeros(()), torch.zeros(())
-        for i, mb in enumerate(batches):
-            with dist.no_sync_unless_last(m.policy, i == len(batches) - 1):
-                logprobs, _ = response_logprobs(m.policy, mb, SFT_TEMPERATURE, self.autocast, False, False)
-                loss, summed = sft_loss(logprobs, mb.response_mask, max(num_tokens, 1.0))
-                if i >= real:  # a filler pass: the collectives run, nothing is added
-                    loss = loss * 0.0
-                (loss * world.size).backward()  # DDP/FSDP average over ranks; the loss is a share of the sum
-            if i < real:
-                nll = nll + summed.float().cpu()
-                covered = covered + mb.response_mask.sum().float().cpu()
-        if not batches:  # a rank without examples: a zero gradient, so every rank steps alike
-            for p in m.policy.parameters():
-                if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        for summed, count in accumulate(m.policy, batches, real, world, micro_loss):
+            nll, covered = nll + summed, covered + count
         nll, covered = dist.sum_over_ranks(torch.stack([nll, covered])).tolist()
         return nll / max(num_tokens, 1.0), covered
 
     def resume(self) -> None:
         """Load the newest checkpoint (if any) and drop metric records from beyond it (all of them without one)."""
-        if self.world.is_main:
-            ckpt.remove_stale_temporaries(self.run_dir.path)
         m = self.model
-        self.state = ckpt.load_latest(self.run_dir.path, m.policy, m.optimizer, m.scheduler, self.world) or RunState()
-        if self.world.is_main and self.state.update == 0:  # no checkpoint: the warm start and its log start over
-            self.run_dir.metrics.unlink(missing_ok=True)
-        elif self.world.is_main:
-            ckpt.truncate_metrics(self.run_dir.metrics, self.state, self.cfg.eval)
+        self.state = self.life.resume_state(m.policy, m.optimizer, m.scheduler, self.cfg.eval)
 
     def save(self) -> None:
         m = self.model
-        ckpt.save(self.run_dir.path, m.policy, m.optimizer, m.scheduler, self.state, self.cfg, self.world,
-                  elapsed_s=time.perf_counter() - self.t_start)
+        self.life.save(m.policy, m.optimizer, m.scheduler, self.state, self.t_start)
 
     def run(self, stopper) -> Path:
         """Steps until ``total_steps`` (checkpointing every ``warmstart.checkpoint_every`` and on a stop
@@ -202,72 +190,36 @@ class WarmStart:
             if state.update < self.total_steps and (stop or (every and state.update % every == 0)):
                 self.save()
                 if stop:
-                    raise ckpt.Interrupted(self.run_dir.path, "sft")
+                    raise Interrupted(self.run_dir.path)
         progress.close(bar)
-        if state.update and state.num_skipped_updates >= state.update:
-            raise TrainingError(f"all {state.update} warm-start steps were skipped for a non-finite loss or gradient; "
-                                "no model was written. Lower warmstart.lr or set train.autocast=none")
+        check_some_steps_applied(state, "warm-start steps", "Lower warmstart.lr or set train.autocast=none")
         self.save()  # the end: a resume after the export finds nothing left to do
-        ckpt.export_hf(self.model.policy, self.model.tokenizer, self.run_dir.final_model, world, "sft")
-        return self.run_dir.final_model
+        return self.life.export(self.model.policy, self.model.tokenizer)
 
     def close(self) -> None:
         self.logger.close()
 
 
-def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None) -> Path:
-    """Run (or resume) a warm-start-only run in ``run_dir``; returns its final model folder, an HF
-    folder that ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
-    :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own);
-    ``rows``: the demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``)."""
+def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None, kind: str = "sft") -> Path:
+    """Run (or resume) a warm-start run in ``run_dir``; returns its final model folder, an HF folder that
+    ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
+    :func:`mugrpo.kit.lifecycle.resume_config` (or, inside an RL run, is the RL run's own); ``rows``: the
+    demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``); ``kind``:
+    ``sft``, or ``warmstart`` for the warm start inside a train run (its resume command is the run's)."""
     world = dist.init(cfg.parallel.timeout_s)
     rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
-    source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
-    with RunClaim(rd, cfg, resume, world) as run:
+    with RunLifecycle(rd, cfg, kind, resume, world) as life:  # a resume of another kind stops here, nothing written
+        source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
         if resume:
-            run.claim()
+            life.claim()
         else:
-            ckpt.check_run_dir_free(rd.path)
+            life.check_free()
         phase = WarmStart.build(cfg, world, rd, source)
-        run.close_at_exit(phase.close)
+        phase.life = life
+        life.close_at_exit(phase.close)
         if resume:
             phase.resume()
         else:
-            run.claim()
-        return phase.run(run.stop_on_signals(name_resume_command=False))
-
-
-def warm_start_path(cfg: Config, run_dir: RunDir) -> str | None:
-    """The folder an RL run with ``warmstart.data`` loads its policy, reference and engine from (the
-    warm start's final model), or None without a warm start. A path only: nothing runs here."""
-    return str(RunDir(run_dir.warmstart).final_model) if cfg.warmstart.data is not None else None
-
-
-def warm_start_model(cfg: Config, run_dir: RunDir) -> str:
-    """Run, resume or skip the warm start of the RL run in ``run_dir``; returns the folder RL starts from.
-
-    The sub-run ``RUN_DIR/warmstart/`` trains with the RL run's config. Skipped when its final model
-    exists; resumed when it was started. Refused (ConfigError naming the key) when the sub-run found
-    there was trained from another ``model.name``, or with other settings."""
-    sub = RunDir(run_dir.warmstart)
-    if sub.config.is_file():
-        _check_same_warm_start(cfg, sub)
-    if (sub.final_model / "config.json").is_file():  # the export is atomic: a complete folder
-        print(f"[mugrpo] warm start done earlier: RL starts from {sub.final_model}")
-        return str(sub.final_model)
-    try:
-        final = sft(cfg, sub.path, resume=sub.config.is_file())
-    except ckpt.Interrupted as exc:
-        raise ckpt.Interrupted(run_dir.path) from exc
-    print(f"[mugrpo] warm start done: RL starts from {final}")
-    return str(final)
-
-
-def _check_same_warm_start(cfg: Config, sub: RunDir) -> None:
-    saved = read_run_config(sub.path, f"the warm start in {sub.path}")
-    base = saved.get("model", {}).get("name")
-    if base != cfg.model.name:
-        raise ConfigError(f"model.name={cfg.model.name!r}, but the warm start in {sub.path} was trained from "
-                          f"model.name={base!r}: the RL run must start from the model its warm start trained. Set "
-                          f"model.name={base!r}, or delete {sub.path} to warm-start {cfg.model.name!r} afresh")
-    ckpt.check_resume_compatible(to_dict(from_dict(saved)), to_dict(cfg), f"the warm start's config ({sub.config})")
+            life.claim()
+        life.stop_point()  # a stop while the examples rendered or the model loaded
+        return phase.run(life.stopper)

@@ -85,7 +85,7 @@ class SampledTokenLogprobs(LogitsProcessor):
 
 class Heartbeat(StoppingCriteria):
     """Calls ``progress(0)`` after every decode step and never stops a row: the caller's chance to end
-    a long ``generate`` call by raising (a requested stop, :mod:`mugrpo.training.generation`)."""
+    a long ``generate`` call by raising (a requested stop, :mod:`mugrpo.stages.generation`)."""
 
     def __init__(self, progress: ProgressFn):
         self.progress = progress

@@ -25,11 +25,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from mugrpo import seeds
 from mugrpo.errors import UserError
 from mugrpo.run_dir import SHARDS_FILE, atomic_write, atomic_write_text, shard_path, text_path  # noqa: F401
 
@@ -75,6 +75,48 @@ def check_shard(path: Path, marker: dict, shard: int) -> None:
         raise StageDataError(path, why) from why
 
 
+@dataclass(frozen=True)
+class Field:
+    """One field of :class:`StageData`: how it is indexed, stored and combined (:data:`SCHEMA`)."""
+
+    name: str
+    per: str
+    """"group": one value per group; "group_tokens": one token list per group (the prompt);
+    "sequence": one value per sequence, a tensor; "tokens": one list per sequence, aligned with the
+    sequence's response tokens (stored flat, cut by the responses' offsets)."""
+    dtype: torch.dtype
+    """The dtype on disk."""
+    key: str
+    """The safetensors key (the names of every earlier format, so old stages load)."""
+    offsets: str | None = None
+    """The key of the offsets this field defines ("group_tokens" and the responses)."""
+    optional: bool = False
+    """None when absent (an optional field is present in combined data when every part has it, or
+    when it has a ``fill``)."""
+    fill: Callable[["StageData", int], list] | None = None
+    """An optional field's value for sequence s of a part that lacks it, when other parts have it."""
+
+
+def _zero_turns(data: "StageData", s: int) -> list[int]:
+    return [0] * len(data.responses[s])
+
+
+SCHEMA: tuple[Field, ...] = (
+    Field("prompts", "group_tokens", torch.int64, "prompt_ids", offsets="prompt_offsets"),
+    Field("responses", "tokens", torch.int64, "response_ids", offsets="response_offsets"),
+    Field("behavior_logprobs", "tokens", torch.float32, "behavior_logprobs"),
+    Field("rewards", "sequence", torch.float32, "rewards"),
+    Field("advantages", "sequence", torch.float32, "advantages"),
+    Field("finished", "sequence", torch.uint8, "finished"),
+    Field("item_indices", "group", torch.int64, "item_indices"),
+    Field("trainer_logprobs", "tokens", torch.float32, "trainer_logprobs", optional=True),
+    Field("turns", "tokens", torch.int8, "turns", optional=True, fill=_zero_turns),
+)
+"""Every field of a stage's data, in one place: :meth:`StageData.save`, :meth:`StageData.load`,
+:meth:`StageData.subset` and :func:`gather_groups` (rounds, shards) read it, so adding a field is a
+line here, its attribute on :class:`StageData`, and its test (tests/stages/test_data.py)."""
+
+
 @dataclass
 class StageData:
     prompts: list[list[int]]
@@ -93,7 +135,7 @@ class StageData:
     group_size: int
     trainer_logprobs: list[list[float]] | None = field(default=None, kw_only=True)
     """One per sequence, only with ``loss.behavior_logprobs=trainer``: the behaviour policy's
-    log-probs recomputed by the trainer at stage start (:mod:`mugrpo.training.tis`); None otherwise."""
+    log-probs recomputed by the trainer at stage start (:mod:`mugrpo.stages.tis`); None otherwise."""
     turns: list[list[int]] | None = field(default=None, kw_only=True)
     """One per sequence, one entry per response token: policy turn k >= 0 or :data:`ENV_TURN`;
     None = single-turn data (every token of turn 0)."""
@@ -112,38 +154,23 @@ class StageData:
 
     def subset(self, groups: list[int]) -> "StageData":
         """Keep only ``groups`` (e.g. dropping zero-variance groups)."""
-        G = self.group_size
-        seqs = [g * G + j for g in groups for j in range(G)]
-        idx = torch.tensor(seqs, dtype=torch.long)
-        trainer = None if self.trainer_logprobs is None else [self.trainer_logprobs[s] for s in seqs]
-        turns = None if self.turns is None else [self.turns[s] for s in seqs]
-        return StageData([self.prompts[g] for g in groups], [self.responses[s] for s in seqs],
-                         [self.behavior_logprobs[s] for s in seqs], self.rewards[idx], self.advantages[idx],
-                         self.finished[idx], [self.item_indices[g] for g in groups], G, trainer_logprobs=trainer,
-                         turns=turns)
+        return gather_groups([(self, g) for g in groups], self)
 
     def save(self, path: Path) -> None:
-        """Atomic write (temp file, fsync, rename)."""
-        def flat(seqs, dtype):
-            lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
-            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-            values = torch.tensor([v for s in seqs for v in s], dtype=dtype)
-            return values, offsets
-
-        prompt_ids, prompt_offsets = flat(self.prompts, torch.int64)
-        response_ids, response_offsets = flat(self.responses, torch.int64)
-        logprobs, _ = flat(self.behavior_logprobs, torch.float32)
-        tensors = {
-            "prompt_ids": prompt_ids, "prompt_offsets": prompt_offsets,
-            "response_ids": response_ids, "response_offsets": response_offsets,
-            "behavior_logprobs": logprobs, "rewards": self.rewards.float().contiguous(),
-            "advantages": self.advantages.float().contiguous(), "finished": self.finished.to(torch.uint8),
-            "item_indices": torch.tensor(self.item_indices, dtype=torch.int64),
-        }
-        if self.trainer_logprobs is not None:
-            tensors["trainer_logprobs"] = flat(self.trainer_logprobs, torch.float32)[0]
-        if self.turns is not None:
-            tensors["turns"] = flat(self.turns, torch.int8)[0]
+        """Atomic write (temp file, fsync, rename) of every present field of :data:`SCHEMA`."""
+        tensors = {}
+        for f in SCHEMA:
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.per in ("group_tokens", "tokens"):
+                tensors[f.key], offsets = _flat(value, f.dtype)
+                if f.offsets:
+                    tensors[f.offsets] = offsets
+            elif f.per == "group":
+                tensors[f.key] = torch.tensor(value, dtype=f.dtype)
+            else:
+                tensors[f.key] = value.to(f.dtype).contiguous()
         meta = {"group_size": str(self.group_size), "format_version": str(FORMAT_VERSION)}
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
@@ -151,22 +178,22 @@ class StageData:
     def load(cls, path: Path) -> "StageData":
         from safetensors import SafetensorError, safe_open
 
-        def unflat(values, offsets):
-            o = offsets.tolist()
-            return [values[a:b].tolist() for a, b in zip(o, o[1:])]
-
         try:
             with safe_open(str(path), "pt") as f:
                 meta = f.metadata()
             version = int(meta.get("format_version", 1))
             t = load_file(str(path))
-            trainer, turns = t.get("trainer_logprobs"), t.get("turns")
-            offsets = t["response_offsets"]
-            data = cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], offsets),
-                       unflat(t["behavior_logprobs"], offsets), t["rewards"], t["advantages"],
-                       t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]),
-                       trainer_logprobs=None if trainer is None else unflat(trainer, offsets),
-                       turns=None if turns is None else unflat(turns, offsets))
+            values = {}
+            for f in SCHEMA:
+                if f.optional and f.key not in t:
+                    values[f.name] = None
+                elif f.per in ("group_tokens", "tokens"):
+                    values[f.name] = _unflat(t[f.key], t[f.offsets or "response_offsets"])
+                elif f.per == "group":
+                    values[f.name] = t[f.key].tolist()
+                else:
+                    values[f.name] = t[f.key].bool() if f.name == "finished" else t[f.key]
+            data = cls(**values, group_size=int(meta["group_size"]))
         except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
             raise StageDataError(path, exc) from exc
         if version > FORMAT_VERSION:
@@ -175,83 +202,53 @@ class StageData:
         return data
 
 
-def update_groups(num_groups: int, prompts_per_update: int, update_in_stage: int, seed: int, stage: int
-                  ) -> list[int]:
-    """Group indices of update ``update_in_stage``: consecutive slices of seeded reshuffles.
-
-    Pass p over the stage data is permutation p of a generator seeded by (seed, stage), so the
-    minibatch of any update is a pure function of its position: resume needs no sampler state.
-    """
-    start = update_in_stage * prompts_per_update
-    first_pass, last_pass = start // num_groups, (start + prompts_per_update - 1) // num_groups
-    gen = torch.Generator().manual_seed(seeds.minibatch_order(seed, stage))
-    perms = [torch.randperm(num_groups, generator=gen) for _ in range(last_pass + 1)]
-    order = torch.cat(perms[first_pass:])
-    offset = start - first_pass * num_groups
-    return order[offset: offset + prompts_per_update].tolist()
+def _flat(seqs, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return torch.tensor([v for s in seqs for v in s], dtype=dtype), offsets
 
 
-@dataclass
-class MicroBatch:
-    input_ids: torch.Tensor  # [B, P + R]
-    attention_mask: torch.Tensor  # [B, P + R]
-    position_ids: torch.Tensor  # [B, P + R]
-    response_ids: torch.Tensor  # [B, R]
-    response_mask: torch.Tensor  # [B, R] bool
-    behavior_logprobs: torch.Tensor  # [B, R]
-    advantages: torch.Tensor  # [B]
-    trainer_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R], with StageData's
-    turns: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R] int8 (padding 0), with StageData's
-
-    @property
-    def response_len(self) -> int:
-        return self.response_ids.shape[1]
-
-    def to(self, device) -> "MicroBatch":
-        return type(self)(**{f: None if getattr(self, f) is None else getattr(self, f).to(device)
-                             for f in self.__dataclass_fields__})
+def _unflat(values: torch.Tensor, offsets: torch.Tensor) -> list:
+    o = offsets.tolist()
+    return [values[a:b].tolist() for a, b in zip(o, o[1:])]
 
 
-def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
-    """Left-pad prompts and right-pad responses so every response starts at column P.
-
-    Position ids count real tokens only (cumsum of the mask - 1), as ``generate`` does for a
-    left-padded batch, so trainer and engine see identical positions. ``response_mask`` is the
-    response's policy tokens (environment tokens of multi-turn data are in the inputs, not the mask).
-    """
-    G = data.group_size
-    prompts = [data.prompts[s // G] for s in seqs]
-    responses = [data.responses[s] for s in seqs]
-    P, R = max(len(p) for p in prompts), max(max(len(r) for r in responses), 1)
-    B = len(seqs)
-    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, P + R), dtype=torch.long)
-    behavior = torch.zeros((B, R), dtype=torch.float32)
-    trainer = None if data.trainer_logprobs is None else torch.zeros((B, R), dtype=torch.float32)
-    turns = response_turns(data, seqs, R)
-    for row, (p, r, s) in enumerate(zip(prompts, responses, seqs)):
-        input_ids[row, P - len(p):P] = torch.tensor(p, dtype=torch.long)
-        input_ids[row, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-        attention[row, P - len(p):P + len(r)] = 1
-        behavior[row, :len(r)] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
-        if trainer is not None:
-            trainer[row, :len(r)] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
-    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
-    response_mask = attention[:, P:].bool()
-    if turns is not None:
-        response_mask &= turns >= 0
-    return MicroBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask, behavior,
-                      data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer, turns=turns)
+def gather_groups(picks: Sequence[tuple[StageData, int]], template: StageData, cls=StageData, **extra
+                  ) -> StageData:
+    """A stage's data made of the groups ``picks`` ((part, group index) pairs, in order), every field of
+    :data:`SCHEMA` carried along. An optional field is kept when every part has it, or filled for the
+    parts that lack it when it has a ``fill`` and some part has it. ``template``: a part that gives the
+    group size, and the fields' types when ``picks`` is empty. ``cls``/``extra``: a subclass and its own
+    fields (:class:`mugrpo.stages.shards.ShardedStage`)."""
+    G = template.group_size
+    seqs = [(part, g * G + j) for part, g in picks for j in range(G)]
+    parts = list({id(p): p for p, _ in picks}.values()) or [template]
+    values = {}
+    for f in SCHEMA:
+        have = [getattr(p, f.name) is not None for p in parts]
+        if f.optional and not (all(have) or (f.fill is not None and any(have))):
+            values[f.name] = None
+        elif f.per in ("group", "group_tokens"):
+            values[f.name] = [getattr(part, f.name)[g] for part, g in picks]
+        elif f.per == "tokens":
+            values[f.name] = [getattr(part, f.name)[s] if getattr(part, f.name) is not None else f.fill(part, s)
+                              for part, s in seqs]
+        else:
+            values[f.name] = _rows(seqs, f.name, template)
+    return cls(**values, group_size=G, **extra)
 
 
-def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | None:
-    """[len(seqs), R] int8 turn index of each response token (padding 0), or None for single-turn data."""
-    if data.turns is None:
-        return None
-    turns = torch.zeros((len(seqs), R), dtype=torch.int8)
-    for row, s in enumerate(seqs):
-        turns[row, :len(data.turns[s])] = torch.tensor(data.turns[s], dtype=torch.int8)
-    return turns
+def _rows(seqs: list, name: str, template: StageData) -> torch.Tensor:
+    """The per-sequence tensor ``name`` of ``seqs`` ((part, sequence) pairs), in order."""
+    if not seqs:
+        return getattr(template, name)[:0]
+    by_part: dict[int, list] = {}
+    for part, s in seqs:
+        by_part.setdefault(id(part), [part, []])[1].append(s)
+    if len(by_part) == 1:  # one part (a subset): index once
+        part, idx = next(iter(by_part.values()))
+        return getattr(part, name)[torch.tensor(idx, dtype=torch.long)]
+    return torch.stack([getattr(part, name)[s] for part, s in seqs])
 
 
 def write_stage_text(path: Path, data: StageData, tokenizer, items) -> None:

@@ -17,10 +17,10 @@ included. With ``trainer``:
    training"; verl ``tis_imp_ratio_cap``, TRL ``vllm_importance_sampling_cap``.)
 
 Here: which sequences are recomputed, the recompute forward (which runs the model, under FSDP2
-too, laid out and padded with filler passes by :mod:`mugrpo.training.update`), and the stage-level
+too, laid out and padded with filler passes by :mod:`mugrpo.kit.update`), and the stage-level
 mismatch metrics. The pure math (:func:`tis_weights`, :func:`mismatch_sums`) lives in
 :mod:`mugrpo.algo.importance` (re-exported here); which log-probs an update's ratio uses is
-:func:`mugrpo.training.update.ratio_inputs`. The loss only receives the weights as a tensor
+:func:`mugrpo.kit.update.ratio_inputs`. The loss only receives the weights as a tensor
 (``is_weights`` of :func:`mugrpo.algo.losses.policy_loss`).
 
 Shapes: B sequences, T response tokens.
@@ -32,11 +32,12 @@ import torch
 
 from mugrpo.algo.importance import mismatch_sums, tis_weights
 from mugrpo.algo.losses import LossSettings
-from mugrpo.training import distributed as dist
-from mugrpo.training.batching import ordered_micro_batches
-from mugrpo.training.data import StageData, StageDataError, shard_path
-from mugrpo.training.forward import response_logprobs
-from mugrpo.training.update import StepSettings, ratio_inputs, with_fillers
+from mugrpo.kit import distributed as dist
+from mugrpo.kit.batching import ordered_micro_batches
+from mugrpo.stages.data import StageData, StageDataError, shard_path
+from mugrpo.kit.forward import response_logprobs
+from mugrpo.kit.step import with_fillers
+from mugrpo.kit.update import StepSettings, ratio_inputs
 
 __all__ = ["mismatch_sums", "ratio_inputs", "recompute_trainer_logprobs", "recomputed_seqs", "stage_metrics",
            "tis_weights"]
@@ -58,7 +59,7 @@ def recompute_trainer_logprobs(policy, data: StageData, step: StepSettings, devi
     weights, in the trainer's precision and layout) over :func:`recomputed_seqs`.
 
     Batched like an update (shared prefix, ``schedule.micro_batch_tokens``); under FSDP2 each rank
-    computes its own shard, with filler passes as an update (:func:`~mugrpo.training.update.with_fillers`).
+    computes its own shard, with filler passes as an update (:func:`~mugrpo.kit.step.with_fillers`).
     """
     layout = step.layout(policy)
     batches, real = with_fillers(ordered_micro_batches(data, recomputed_seqs(data, step), **layout),

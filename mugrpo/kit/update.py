@@ -2,25 +2,25 @@
 
 What an optimizer update needs besides the loss itself (:mod:`mugrpo.algo.losses`), in one place,
 used by the trainer's update (:meth:`mugrpo.training.trainer.Trainer.update`) and by the trainer-side
-behaviour log-prob recompute (:mod:`mugrpo.training.tis`):
+behaviour log-prob recompute (:mod:`mugrpo.stages.tis`):
 
 - :class:`StepSettings`: the loss options (:class:`~mugrpo.algo.losses.LossSettings`, the only route
   the loss config takes) plus the batching knobs; built from the run config by the trainer, so
   nothing here reads the config;
-- the micro-batch layout (:meth:`StepSettings.layout`) and the FSDP2 filler-pass rule
-  (:func:`with_fillers`);
+- the micro-batch layout (:meth:`StepSettings.layout`) (the FSDP2 filler passes and the accumulation:
+  :mod:`mugrpo.kit.step`);
 - which log-probs a ratio is taken against (:func:`ratio_inputs`);
 - the step's loss normaliser (:func:`normaliser`), counted by the aggregation itself
   (:meth:`mugrpo.algo.aggregation.Aggregation.count`), with the post-veto count when asked.
 
-Not here: the loss (algo), the micro-batch packing (:mod:`mugrpo.training.batching`), the forward
-(:mod:`mugrpo.training.forward`), the optimizer and its step (the trainer).
+Not here: the loss (algo), the micro-batch packing (:mod:`mugrpo.kit.batching`), the forward
+(:mod:`mugrpo.kit.forward`), the optimizer and its step (the trainer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,10 +28,11 @@ from mugrpo.algo.importance import tis_weights
 from mugrpo.algo.losses import LossSettings
 from mugrpo.algo.registries import AGGREGATORS
 from mugrpo.algo.veto import veto_mask
-from mugrpo.training import distributed as dist
-from mugrpo.training.batching import sequences_to_train
-from mugrpo.training.data import MicroBatch, StageData
-from mugrpo.training.forward import response_logprobs, shared_prefix_support
+from mugrpo.kit.batching import MicroBatch, sequences_to_train
+from mugrpo.kit.forward import response_logprobs, shared_prefix_support
+
+if TYPE_CHECKING:  # read by attribute (mugrpo.stages sits above the kit)
+    from mugrpo.stages.data import StageData
 
 
 @dataclass(frozen=True)
@@ -57,24 +58,10 @@ class StepSettings:
         return sequences_to_train(data, seqs, self.skip)
 
     def layout(self, policy) -> dict:
-        """The keyword arguments of :func:`mugrpo.training.batching.micro_batches` for ``policy``."""
+        """The keyword arguments of :func:`mugrpo.kit.batching.micro_batches` for ``policy``."""
         shared, mask_dtype, _ = shared_prefix_support(policy) if self.shared_prefix else (False, None, "")
         return dict(shared=shared, budget=self.micro_batch_tokens, max_seqs=self.micro_batch_size, pad_id=0,
                     mask_dtype=mask_dtype or torch.bool)
-
-
-def with_fillers(batches: list, make_filler: Callable[[], list]) -> tuple[list, int]:
-    """(``batches`` padded with filler passes, the number of real ones).
-
-    Under FSDP2 every rank must run as many forward(/backward) passes as the busiest one (each is a
-    collective); a rank with fewer repeats its first micro-batch, or ``make_filler()``'s when it has
-    none, and the caller discards those passes (loss times 0, results unused). One process: no filler.
-    """
-    real = len(batches)
-    num_passes = dist.max_over_ranks(real)
-    if real < num_passes:
-        batches = batches + (batches[:1] or make_filler()) * (num_passes - real)
-    return batches, real
 
 
 def ratio_inputs(mb: MicroBatch, loss: LossSettings) -> tuple[torch.Tensor, torch.Tensor | None]:

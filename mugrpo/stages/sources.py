@@ -4,13 +4,13 @@ A source has one method, ``stage(state, stopper) -> (StageData, metrics)``: the 
 ``state.stage`` and its generation-phase metrics. The trainer holds one and does not know which
 kind it has:
 
-- :class:`mugrpo.training.generation.GeneratedStages`: the run's own policy generates the stage,
-  single-turn or as trajectories (the sampler, :mod:`mugrpo.training.samplers`), in one round or
+- :class:`mugrpo.stages.generation.GeneratedStages`: the run's own policy generates the stage,
+  single-turn or as trajectories (the sampler, :mod:`mugrpo.stages.samplers`), in one round or
   in dynamic sampling's rounds (the collector);
 - :class:`ReplayedStages`: the stage is copied from another run's saved stages
-  (``--replay``, :mod:`mugrpo.training.replay`).
+  (``--replay``, :mod:`mugrpo.stages.replay`).
 
-Either way a stage already on disk (a resumed run) is read back (:mod:`mugrpo.training.stage_store`).
+Either way a stage already on disk (a resumed run) is read back (:mod:`mugrpo.stages.store`).
 :func:`build_stage_source` makes the run's source from its parts. A warm start or another phase
 that needs no stages builds none: the parts it shares with RL (model, optimizer, checkpoints,
 logging) are the trainer's, not the source's.
@@ -24,12 +24,12 @@ from typing import Optional, Protocol, Union
 from mugrpo.run_dir import SHARDS_FILE, RunDir
 from mugrpo.rollout.multiturn import LoopLimits
 from mugrpo.rollout.tasks import prompt_ids
-from mugrpo.training import distributed as dist
-from mugrpo.training import replay as replay_mod
-from mugrpo.training.data import StageData, write_stage_text
-from mugrpo.training.generation import DynamicRounds, GeneratedStages, OneRound, RoundGenerator
-from mugrpo.training.samplers import RolloutParts, TextSampler, TrajectorySampler
-from mugrpo.training.stage_store import StageStore
+from mugrpo.kit import distributed as dist
+from mugrpo.stages import replay as replay_mod
+from mugrpo.stages.data import StageData, write_stage_text
+from mugrpo.stages.generation import DynamicRounds, GeneratedStages, OneRound, RoundGenerator
+from mugrpo.stages.samplers import RolloutParts, TextSampler, TrajectorySampler
+from mugrpo.stages.store import StageStore
 
 
 class StageSource(Protocol):
@@ -41,7 +41,7 @@ class ReplayedStages:
     """Stages copied from a replay source into the run's own folder, then read back like any
     persisted stage (a resumed replay reads its own copy and never the source again).
 
-    ``source``: a :class:`mugrpo.training.replay.ReplaySource` already checked (a new run), or the
+    ``source``: a :class:`mugrpo.stages.replay.ReplaySource` already checked (a new run), or the
     source's path a resumed run recorded, checked the first time a stage still has to be copied."""
 
     def __init__(self, source: Union[replay_mod.ReplaySource, Path], cfg, store: StageStore, world,

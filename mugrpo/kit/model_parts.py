@@ -1,10 +1,10 @@
 """The model side every phase that trains shares: the policy (LoRA, FSDP2), its tokenizer, the
-optional reference model, the optimizer and its schedule (:func:`build_model`), and one optimizer
-step with gradient clipping and the skip of a non-finite update (:func:`step_optimizer`).
+optional reference model, the optimizer and its schedule (:func:`build_model`). One optimizer step
+(accumulation, clipping, the skip of a non-finite step) is :mod:`mugrpo.kit.step`.
 
 The RL loop (:mod:`mugrpo.training.trainer`) and the supervised warm start
 (:mod:`mugrpo.warmstart.phase`) both build their model here, so LoRA, FSDP2, the tokenizer's checks
-and the non-finite skip are one code path. Nothing here knows about losses, stages or data.
+are one code path. Nothing here knows about losses, stages or data.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from mugrpo.config.plan import Plan
 from mugrpo.errors import UserError
 from mugrpo.models import lora
 from mugrpo.models.loading import check_context, load_policy, load_tokenizer, resolve_model_path
-from mugrpo.training import distributed as dist
+from mugrpo.kit import distributed as dist
 
 
 class TrainingError(UserError, RuntimeError):
@@ -94,35 +94,3 @@ def build_optimizer(policy: torch.nn.Module, cfg: Config, plan: Plan):
         return 1.0
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-
-
-def step_optimizer(policy, optimizer, scheduler, state, max_grad_norm: float, max_bad_updates: int,
-                   loss_value: float) -> dict:
-    """Clip the gradient to ``max_grad_norm``, then step, or skip a non-finite update (gradient norm or
-    ``loss_value``), counting it in ``state`` (a :class:`mugrpo.training.checkpoint.RunState`); the
-    schedule always advances. TrainingError after ``max_bad_updates`` non-finite updates in a row.
-    Returns ``optim/lr`` (of this step), ``optim/grad_norm``, ``optim/skipped``, ``optim/num_skipped_updates``."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_grad_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    out = {"optim/lr": scheduler.get_last_lr()[0], "optim/grad_norm": grad_norm}
-    if not (math.isfinite(grad_norm) and math.isfinite(loss_value)):
-        optimizer.zero_grad(set_to_none=True)
-        state.bad_update_streak += 1
-        state.num_skipped_updates += 1
-        out["optim/skipped"] = 1.0
-        print(f"[mugrpo] warning: update {state.update} skipped: non-finite loss ({loss_value}) or gradient "
-              f"norm ({grad_norm}); {state.bad_update_streak} in a row")
-        if state.bad_update_streak >= max_bad_updates:
-            raise TrainingError(f"{state.bad_update_streak} consecutive updates had a non-finite loss or "
-                                "gradient. Check the data (see stages/*/rollouts.jsonl); a lower optim.lr or "
-                                "train.autocast=none needs a new run (--resume keeps the run's optimizer settings)")
-    else:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.bad_update_streak = 0
-        out["optim/skipped"] = 0.0
-    scheduler.step()
-    out["optim/num_skipped_updates"] = state.num_skipped_updates
-    return out

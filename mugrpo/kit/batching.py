@@ -19,20 +19,86 @@ Three savings. Each leaves the update equal to the plain path's up to float roun
    rows x the longest row fits ``schedule.micro_batch_tokens``, so one long response does not pad
    many short ones. A group too long for the budget is split over several rows, each with the prompt.
 
-The plain layout (:func:`mugrpo.training.data.collate`: one row per sequence, prompt left-padded,
+The plain layout (:func:`collate`: one row per sequence, prompt left-padded,
 response right-padded) is the reference, and the fallback for models the block mask cannot serve.
 
 Shapes: B rows, L row length, S sequences in a micro-batch, R its longest response, N its
-response tokens. This module builds tensors from stage data; it knows nothing about models.
+response tokens. This module builds tensors from stage data (:class:`~mugrpo.stages.data.StageData`, read by
+attribute); it knows nothing about models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from mugrpo.training.data import MicroBatch, StageData, collate, response_turns
+if TYPE_CHECKING:  # the stage data's schema (mugrpo.stages.data) sits above the kit; read by attribute here
+    from mugrpo.stages.data import StageData
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, P + R]
+    attention_mask: torch.Tensor  # [B, P + R]
+    position_ids: torch.Tensor  # [B, P + R]
+    response_ids: torch.Tensor  # [B, R]
+    response_mask: torch.Tensor  # [B, R] bool
+    behavior_logprobs: torch.Tensor  # [B, R]
+    advantages: torch.Tensor  # [B]
+    trainer_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R], with StageData's
+    turns: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R] int8 (padding 0), with StageData's
+
+    @property
+    def response_len(self) -> int:
+        return self.response_ids.shape[1]
+
+    def to(self, device) -> "MicroBatch":
+        return type(self)(**{f: None if getattr(self, f) is None else getattr(self, f).to(device)
+                             for f in self.__dataclass_fields__})
+
+
+def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
+    """Left-pad prompts and right-pad responses so every response starts at column P.
+
+    Position ids count real tokens only (cumsum of the mask - 1), as ``generate`` does for a
+    left-padded batch, so trainer and engine see identical positions. ``response_mask`` is the
+    response's policy tokens (environment tokens of multi-turn data are in the inputs, not the mask).
+    """
+    G = data.group_size
+    prompts = [data.prompts[s // G] for s in seqs]
+    responses = [data.responses[s] for s in seqs]
+    P, R = max(len(p) for p in prompts), max(max(len(r) for r in responses), 1)
+    B = len(seqs)
+    input_ids = torch.full((B, P + R), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P + R), dtype=torch.long)
+    behavior = torch.zeros((B, R), dtype=torch.float32)
+    trainer = None if data.trainer_logprobs is None else torch.zeros((B, R), dtype=torch.float32)
+    turns = response_turns(data, seqs, R)
+    for row, (p, r, s) in enumerate(zip(prompts, responses, seqs)):
+        input_ids[row, P - len(p):P] = torch.tensor(p, dtype=torch.long)
+        input_ids[row, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+        attention[row, P - len(p):P + len(r)] = 1
+        behavior[row, :len(r)] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
+        if trainer is not None:
+            trainer[row, :len(r)] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
+    position_ids = (attention.cumsum(1) - 1).clamp(min=0)
+    response_mask = attention[:, P:].bool()
+    if turns is not None:
+        response_mask &= turns >= 0
+    return MicroBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask, behavior,
+                      data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer, turns=turns)
+
+
+def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | None:
+    """[len(seqs), R] int8 turn index of each response token (padding 0), or None for single-turn data."""
+    if data.turns is None:
+        return None
+    turns = torch.zeros((len(seqs), R), dtype=torch.int8)
+    for row, s in enumerate(seqs):
+        turns[row, :len(data.turns[s])] = torch.tensor(data.turns[s], dtype=torch.int8)
+    return turns
+
 
 
 def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bool) -> list[int]:
@@ -46,7 +112,7 @@ def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bo
 class SharedBatch(MicroBatch):
     """A micro-batch of shared-prefix rows: the model inputs are [B, L] rows (``attention_mask`` a
     [B, 1, L, L] block mask: bool, True = may attend, for sdpa; additive float for eager), the
-    per-sequence tensors [S, R] as in :class:`~mugrpo.training.data.MicroBatch`, plus where each response
+    per-sequence tensors [S, R] as in :class:`MicroBatch`, plus where each response
     token sits in the rows."""
 
     predict_index: torch.Tensor = field(kw_only=True)  # [N] flat index into B * L of the position predicting each token
@@ -120,7 +186,7 @@ def ordered_micro_batches(data: StageData, seqs: list[int], *, shared: bool, bud
                           pad_id: int, mask_dtype: torch.dtype = torch.bool
                           ) -> list[tuple[list[int], MicroBatch | SharedBatch]]:
     """:func:`micro_batches`, each with the sequence index of each of its batch rows (for results
-    written back per sequence, e.g. :func:`mugrpo.training.tis.recompute_trainer_logprobs`)."""
+    written back per sequence, e.g. :func:`mugrpo.stages.tis.recompute_trainer_logprobs`)."""
     out = []
     for batch in pack_rows(data, make_rows(data, seqs, shared, budget), shared, budget, max_seqs):
         order = [s for _, row_seqs in batch for s in row_seqs]

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from mugrpo.algo import dynamic
-from mugrpo.training.data import StageData, StageDataError, atomic_write_text
+from mugrpo.stages.data import StageData, StageDataError, atomic_write_text, gather_groups
 from mugrpo.run_dir import ROUNDS_DIR
 
 
@@ -64,21 +64,8 @@ def assemble(rounds: Sequence[StageData], kept: Sequence[int]) -> StageData:
     (round 0's first, in each round's order), in that order."""
     if not rounds:
         raise ValueError("assemble needs at least one round")
-    G = rounds[0].group_size
     by_group = [(part, g) for part in rounds for g in range(part.num_groups)]
-    picked = [by_group[i] for i in kept]
-    seqs = [(part, g * G + j) for part, g in picked for j in range(G)]
-    with_trainer = all(part.trainer_logprobs is not None for part in rounds)
-    with_turns = all(part.turns is not None for part in rounds)  # an environment's stage
-
-    def rows(name: str) -> torch.Tensor:
-        return torch.stack([getattr(part, name)[s] for part, s in seqs]) if seqs else getattr(rounds[0], name)[:0]
-
-    return StageData([part.prompts[g] for part, g in picked], [part.responses[s] for part, s in seqs],
-                     [part.behavior_logprobs[s] for part, s in seqs], rows("rewards"), rows("advantages"),
-                     rows("finished"), [part.item_indices[g] for part, g in picked], G,
-                     trainer_logprobs=[part.trainer_logprobs[s] for part, s in seqs] if with_trainer else None,
-                     turns=[part.turns[s] for part, s in seqs] if with_turns else None)
+    return gather_groups([by_group[i] for i in kept], rounds[0])
 
 
 # ---------------------------------------------------------------------------------------------

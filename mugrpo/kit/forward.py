@@ -1,8 +1,8 @@
 """The trainer's forward pass: per-token log-probs of a micro-batch's responses under a model.
 
-Two layouts (see :mod:`mugrpo.training.batching`): the plain one (:class:`mugrpo.training.data.MicroBatch`, one
+Two layouts (see :mod:`mugrpo.kit.batching`): the plain one (:class:`mugrpo.stages.data.MicroBatch`, one
 row per sequence, a 2-D padding mask that the model turns into a causal mask itself) and the
-shared-prefix one (:class:`mugrpo.training.batching.SharedBatch`, one row per prompt group, a 4-D block
+shared-prefix one (:class:`mugrpo.kit.batching.SharedBatch`, one row per prompt group, a 4-D block
 mask). Either way the result is ``logprobs`` [S, R] aligned with the micro-batch's
 ``response_mask``, so the loss never knows which layout produced it.
 
@@ -32,8 +32,7 @@ import contextlib
 
 import torch
 
-from mugrpo.training.batching import SharedBatch
-from mugrpo.training.data import MicroBatch
+from mugrpo.kit.batching import MicroBatch, SharedBatch
 from mugrpo.algo.logprobs import token_entropy, token_logprobs
 
 SHARED_PREFIX_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -59,7 +58,7 @@ def response_logprobs(model, mb: MicroBatch, temperature: float, autocast: bool,
                       with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of the micro-batch's response tokens at ``temperature``, [S, R].
 
-    ``mb`` is a plain :class:`~mugrpo.training.data.MicroBatch` or its shared-prefix subclass."""
+    ``mb`` is a plain :class:`~mugrpo.stages.data.MicroBatch` or its shared-prefix subclass."""
     device_type = mb.input_ids.device.type
     ctx = torch.autocast(device_type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     if isinstance(mb, SharedBatch):

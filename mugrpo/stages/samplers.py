@@ -10,7 +10,7 @@ Both take the items, the sampling and the round's seeds and return a :class:`Bat
 :func:`score_batch` turns a batch into stage data (rewards, group advantages) and its record.
 :class:`RolloutParts` is what sampling (and evaluation) needs of a run: engine, task, tokenizer,
 environment factory. This module knows nothing of stages' persistence, rounds, the update or
-checkpoints (:mod:`mugrpo.training.generation`).
+checkpoints (:mod:`mugrpo.stages.generation`).
 
 Shapes: N groups, G responses per group.
 """
@@ -28,7 +28,7 @@ from mugrpo.rollout.envs.start import Skips
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, first_problems, loop_counts, roll_out_items
 from mugrpo.rollout.rewards import per_reward_counts
 from mugrpo.rollout.tasks import Task, limit_prompts, prompt_ids
-from mugrpo.training.data import StageData
+from mugrpo.stages.data import StageData
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ from pathlib import Path
 from mugrpo.config import Config, ConfigError, from_dict, read_run_config
 from mugrpo.config.plan import make_plan
 from mugrpo.errors import UserError
-from mugrpo.run_dir import SHARDS_FILE, STAGE_METRICS_FILE, RunDir, RunDirError, atomic_write, shard_path, text_path
-from mugrpo.training.checkpoint import DiskFullError, size_text, write_failure
-from mugrpo.training.data import StageData, StageDataError, check_shard
+from mugrpo.run_dir import (SHARDS_FILE, STAGE_METRICS_FILE, DiskFullError, RunDir, RunDirError, atomic_write,
+                            resume_command, shard_path, size_text, text_path, write_failure)
+from mugrpo.stages.data import StageData, StageDataError
+from mugrpo.stages.shards import read_shard
 
 
 def stage_dir(run_dir: Path, stage: int) -> Path:
@@ -146,8 +147,7 @@ def load_source_stage(source: ReplaySource, stage: int, shard: int, marker: dict
     or (``marker``: the stage's parsed shards.json) its bytes are not the ones recorded there."""
     path = shard_path(stage_dir(source.run_dir, stage), shard)
     try:
-        check_shard(path, marker or {}, shard)
-        return StageData.load(path)
+        return read_shard(stage_dir(source.run_dir, stage), shard, marker or {})
     except StageDataError as exc:
         raise ReplayError(f"replay source file {path} cannot be read ({exc.__cause__ or exc}): it was deleted or "
                           "damaged after this run started. Restore it, or start the run again with another "
@@ -176,7 +176,7 @@ def copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, *, need_t
     atomically; the completion marker last, so an interrupted copy is redone on resume). Returns
     the number of groups copied. Run it on one process.
 
-    A full disk raises :class:`mugrpo.training.checkpoint.DiskFullError` saying how much to free,
+    A full disk raises :class:`mugrpo.kit.checkpoint.DiskFullError` saying how much to free,
     after removing the partial copy (``dest_stage_dir``, never marked complete): the resume it
     advises copies the stage again."""
     try:
@@ -193,7 +193,7 @@ def copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, *, need_t
             f"{cause} while copying stage {stage} of the replay source into {dest_stage_dir} ({exc}). Nothing was "
             f"lost: the partial copy was removed (the source is untouched) and a resume copies the stage again. "
             f"Free at least {size_text(need)} (the source stage's files) on that disk, then continue with: "
-            f"mugrpo train --resume {run}") from exc
+            f"{resume_command(run)}") from exc
 
 
 def _copy_stage(source: ReplaySource, stage: int, dest_stage_dir: Path, need_trainer_logprobs: bool,
