@@ -17,6 +17,7 @@ from pathlib import Path
 from mugrpo import stopping
 from mugrpo.config import PRESETS, ConfigError, load_config
 from mugrpo.errors import UserError
+from mugrpo.faults import maybe_die
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return _config_verb(args)
         # train or sft: the stop handler first, before any heavy import, and until the last write
         with stopping.hold():
+            maybe_die("start")
             return _train_verb(args)
     except stopping.Interrupted as exc:
         print(f"[mugrpo] {exc}", file=sys.stderr)

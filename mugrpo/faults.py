@@ -9,7 +9,10 @@ Points: ``generate`` (after a generation batch, or a multi-turn turn in which a 
 ``eval`` (each progress call of an in-training evaluation: a decode step or finished sequences),
 ``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer update,
 before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename),
-``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`).
+``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`),
+``start`` (the CLI, as soon as its stop handler is held: before any heavy import), ``model_loaded``
+(a phase's model, data and engine built, before its first step), ``phase_end`` (between a run's
+warm start and its RL).
 Unset in normal use; reading one environment variable is the whole cost.
 """
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mugrpo.config import Config, ConfigError, from_dict, read_run_config, to_dict
+from mugrpo.faults import maybe_die
 from mugrpo.kit import distributed as dist
 from mugrpo.kit.lifecycle import RunLifecycle, check_resume_compatible
 from mugrpo.rollout.tasks import Task
@@ -44,6 +45,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             life.check_free()
         if cfg.warmstart.data is not None:
             model_path = warm_start(cfg, rd)
+            maybe_die("phase_end")
             life.stop_point()  # a stop between the warm start and RL: the resume starts RL
         return trainer.train(cfg, life, task=task, replay=replay, model_path=model_path)
 

@@ -111,3 +111,26 @@ def test_no_module_is_over_600_lines():
     big = [f"{p.relative_to(PACKAGE)}: {n}" for p in sorted(PACKAGE.rglob("*.py"))
            if (n := len(p.read_text().splitlines())) > 600]
     assert not big, f"modules over STYLE's 600 lines: {big}"
+
+
+def _package_cycles() -> list[str]:
+    """Modules that import their own package while the package's ``__init__`` imports them: a cycle
+    that only works by import order (``from mugrpo.config import schema`` inside ``config/io.py``)."""
+    out = []
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        pkg = ".".join(init.parent.relative_to(PACKAGE.parent).parts)
+        exported = {node.module for node in ast.walk(ast.parse(init.read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(pkg + ".")}
+        for module in exported:
+            path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+            if not path.is_file():
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module == pkg:
+                    out.append(f"{module} (line {node.lineno}) imports {pkg}, whose __init__ imports it")
+    return out
+
+
+def test_no_module_imports_the_package_that_imports_it():
+    cycles = _package_cycles()
+    assert not cycles, "package import cycles:\n" + "\n".join(cycles)

@@ -140,3 +140,19 @@ def test_report_shows_a_warm_start_only_run(rl_run, tiny_model_dir, tmp_path):
     assert (warm["num_steps"], warm["loss_first"], warm["loss_last"]) == (3, steps[0]["sft/loss"], steps[2]["sft/loss"])
     assert warm["num_tokens"] == sum(x["sft/num_tokens"] for x in steps) and warm["data"] == str(rl_run)
     assert warm["num_total"] == 32 and warm["num_stages"] == 2
+
+
+def test_a_damaged_shard_of_the_source_exits_2_naming_it(rl_run, tiny_model_dir, tmp_path):
+    import shutil
+
+    source = tmp_path / "source"
+    shutil.copytree(rl_run, source)
+    shard = shard_path(RunDir(source).stage(1), 0)
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0x01  # one flipped bit in the tensors' bytes: the file still parses, the checksum differs
+    shard.write_bytes(bytes(raw))
+    r = _mugrpo("sft", "--run-dir", tmp_path / "run", f"model.name={tiny_model_dir}", f"warmstart.data={source}",
+                *SFT_KEYS, "warmstart.steps=1")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert str(shard) in r.stderr and "sha256" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "run").exists()

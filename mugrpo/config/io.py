@@ -19,7 +19,9 @@ from typing import Any, Literal, Optional
 import yaml
 
 from mugrpo.algo.registries import CORRECTIONS
-from mugrpo.config import rollout_sections, schema, warmstart_section
+import mugrpo.config.rollout_sections as rollout_sections
+import mugrpo.config.schema as schema
+import mugrpo.config.warmstart_section as warmstart_section
 from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import validate
 from mugrpo.config.schema import Config

@@ -338,21 +338,3 @@ def _score_batched(reward: RewardFn, completions, items, timeout_s, own: RewardS
             "them scores 0 and is counted in num_invalid)")
         return [0.0] * n
     return [_valid(v, own) for v in values]
-
-
-PER_REWARD_FIELDS = ("sum", "num_errors", "num_timeouts", "num_invalid")
-
-
-def per_reward_counts(stats: ScoreStats, names: list[str]) -> list[float]:
-    """Each function's sum and failure counts, flat in ``names`` order (to be summed over ranks)."""
-    return [float(getattr(stats.per_reward.get(name, RewardStats()), f)) for name in names for f in PER_REWARD_FIELDS]
-
-
-def per_reward_metrics(names: list[str], counts: list[float], num_scored: float) -> dict[str, float]:
-    """``reward/<name>/mean`` and its failure counts from :func:`per_reward_counts` (summed over ranks)."""
-    out = {}
-    for i, name in enumerate(names):
-        total, errors, timeouts, invalid = counts[4 * i: 4 * i + 4]
-        out.update({f"reward/{name}/mean": total / max(num_scored, 1), f"reward/{name}/num_errors": int(errors),
-                    f"reward/{name}/num_timeouts": int(timeouts), f"reward/{name}/num_invalid": int(invalid)})
-    return out

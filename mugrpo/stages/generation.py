@@ -29,11 +29,11 @@ from mugrpo.algo.advantages import zero_variance_groups
 from mugrpo.faults import maybe_die
 from mugrpo.rollout.engines import SamplingConfig, weights_loaded
 from mugrpo.rollout.multiturn import finalize_counts
-from mugrpo.rollout.rewards import per_reward_metrics
 from mugrpo.run_dir import RunDir
 from mugrpo.stopping import Interrupted
 from mugrpo.kit import distributed as dist
 from mugrpo.stages import rounds, tis
+from mugrpo.stages.counts import ScoreCounts
 from mugrpo.stages.data import StageData
 from mugrpo.stages.samplers import score_batch
 from mugrpo.stages.store import StageStore, stage_stats
@@ -112,23 +112,20 @@ class RoundGenerator:
         """The stage's reward failures and skipped prompts (``record``: :meth:`round`'s, summed over
         rounds), summed over ranks, with their warnings."""
         world, task = self.world, self.task
-        if record["first_error"] and world.is_main:
-            print(f"[mugrpo] warning: the reward function raised {int(record['counts'][0])} time(s) in stage "
-                  f"{stage} (scored 0); first traceback:\n{record['first_error']}")
         names = self.reward_names()
-        local = record["counts"]
-        counts = dist.sum_over_ranks(torch.tensor([
-            *local[:5], record["num_drawn"] - record["num_prompts"],
-            *local[5:]], dtype=torch.float64)).tolist()
-        num_failed = int(counts[0] + counts[1] + counts[2])
-        if num_failed and num_failed == int(counts[4]) * len(task.rewards) and world.is_main:
+        local = ScoreCounts.from_record(record["counts"], names)
+        if record["first_error"] and world.is_main:
+            print(f"[mugrpo] warning: the reward function raised {int(local.num_errors)} time(s) in stage "
+                  f"{stage} (scored 0); first traceback:\n{record['first_error']}")
+        local.num_prompts_skipped = record["num_drawn"] - record["num_prompts"]
+        counts = ScoreCounts.from_record(dist.sum_named_over_ranks(local.as_record()))
+        num_failed = counts.num_failed
+        if num_failed and num_failed == int(counts.num_scored) * len(task.rewards) and world.is_main:
             print(f"[mugrpo] warning: stage {stage}: all {num_failed} rewards failed and scored 0 "
-                  f"({int(counts[0])} errors, {int(counts[1])} timeouts, {int(counts[2])} invalid values), so nothing "
-                  "is learned from this stage. Check task.reward_fn / task.rewards (any traceback is printed above), "
-                  "task.reward_timeout_s, and that the scorer returns a finite number")
-        return {"reward/num_errors": int(counts[0]), "reward/num_timeouts": int(counts[1]),
-                "reward/num_invalid": int(counts[2]), "reward/unparsable_frac": counts[3] / max(counts[4], 1),
-                "stage/num_prompts_skipped": int(counts[5]), **per_reward_metrics(names, counts[6:], counts[4])}
+                  f"({int(counts.num_errors)} errors, {int(counts.num_timeouts)} timeouts, {int(counts.num_invalid)} "
+                  "invalid values), so nothing is learned from this stage. Check task.reward_fn / task.rewards (any "
+                  "traceback is printed above), task.reward_timeout_s, and that the scorer returns a finite number")
+        return counts.metrics(names)
 
 
 class OneRound:

@@ -17,6 +17,8 @@ Shapes: N groups, G responses per group.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -26,8 +28,9 @@ from mugrpo.algo.advantages import group_advantages
 from mugrpo.rollout.engines import SamplingConfig
 from mugrpo.rollout.envs.start import Skips
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, first_problems, loop_counts, roll_out_items
-from mugrpo.rollout.rewards import per_reward_counts
 from mugrpo.rollout.tasks import Task, limit_prompts, prompt_ids
+from mugrpo.rollout.rewards import RewardStats
+from mugrpo.stages.counts import ScoreCounts
 from mugrpo.stages.data import StageData
 
 
@@ -146,8 +149,10 @@ def score_batch(batch: Batch, task: Task, group_size: int, loss_cfg, reward_name
     advantages, _ = group_advantages(rewards, std_scale=loss_cfg.adv_std_scale, eps=loss_cfg.adv_eps)
     data = StageData(batch.prompts, batch.responses, batch.behavior_logprobs, rewards.flatten(), advantages.flatten(),
                      batch.finished, batch.indices, G, turns=batch.turns)
-    counts = [score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid, score_stats.num_unparsable,
-              score_stats.num_scored, *per_reward_counts(score_stats, reward_names)]
+    counts = ScoreCounts(score_stats.num_errors, score_stats.num_timeouts, score_stats.num_invalid,
+                         score_stats.num_unparsable, score_stats.num_scored,
+                         per_reward={name: dataclasses.asdict(score_stats.per_reward.get(name, RewardStats()))
+                                     for name in reward_names})
     num_new = sum(data.num_policy_tokens(s) for s in range(len(data.responses)))
-    return data, {"counts": [float(c) for c in counts], "num_new_tokens": num_new,
+    return data, {"counts": counts.as_record(), "num_new_tokens": num_new,
                   "first_error": score_stats.first_error}

@@ -91,6 +91,7 @@ def train(cfg: Config, life: RunLifecycle, task: Task | None = None, replay: str
         source = replay_mod.recorded_source(rd.path)
     trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source, model_path=model_path)
     trainer.life = life
+    maybe_die("model_loaded")
     life.close_at_exit(trainer.close)
     if life.resume:
         trainer.resume()

@@ -29,8 +29,8 @@ from typing import Callable, Optional
 
 from mugrpo.rollout.envs.builtin import calculate, evaluate_arithmetic
 from mugrpo.rollout.envs.tools import ToolEnvironment, tool_schemas
-from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
-from mugrpo.stages.data import StageData
+from mugrpo.run_dir import RunDir
+from mugrpo.stages.shards import read_stage
 from mugrpo.warmstart.data import tool_call_text
 from mugrpo.warmstart.render import Example
 
@@ -108,13 +108,12 @@ def select_from_run(run_dir: str | Path, min_reward: float, finished_only: bool 
     examples: list[Example] = []
     counts = {"num_total": 0, "num_kept": 0, "num_unfinished": 0, "num_stages": 0, "reward_max": None}
     for folder in sorted(RunDir(run_dir).stages.glob("stage_*")):
-        marker = folder / SHARDS_FILE
-        if not marker.is_file():
+        parts = read_stage(folder)  # checksums verified: a damaged shard is an error naming it
+        if parts is None:
             continue
         stage = int(folder.name.split("_")[-1])
         counts["num_stages"] += 1
-        for shard in range(int(json.loads(marker.read_text())["num_shards"])):
-            data = StageData.load(shard_path(folder, shard))
+        for shard, data in enumerate(parts):
             for s, response in enumerate(data.responses):
                 counts["num_total"] += 1
                 reward = float(data.rewards[s])

@@ -216,6 +216,7 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
             life.check_free()
         phase = WarmStart.build(cfg, world, rd, source)
         phase.life = life
+        maybe_die("model_loaded")
         life.close_at_exit(phase.close)
         if resume:
             phase.resume()
