@@ -50,7 +50,7 @@ def build_model(cfg: Config, plan: Plan, world, with_ref: bool | None = None,
     its schedule over ``plan.total_updates``. Seeds torch (``train.seed``) first.
 
     ``model_path``: an HF folder to load instead of ``model.name`` (a run with a warm start loads the
-    warm start's exported model: :func:`mugrpo.warmstart.phase.warm_start_model`)."""
+    warm start's exported model: :func:`mugrpo.pipeline.warm_start`)."""
     _configure_torch(cfg)
     if model_path is None and world.is_main:
         model_path = resolve_model_path(cfg.model.name, cfg.model.cache_dir)
