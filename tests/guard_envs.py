@@ -1,4 +1,4 @@
-"""A hostile environment for tests/test_env_guards_training.py (importable by its path in a config)."""
+"""A hostile environment for tests/training/test_hostile_environment.py (importable by its path in a config)."""
 from mugrpo.rollout.envs.base import Environment, StepResult
 
 

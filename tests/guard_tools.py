@@ -1,4 +1,4 @@
-"""Module-level tools for tests/test_env_guards_calls.py: a worker process must import them (spawn)."""
+"""Module-level tools for tests/rollout/test_calls.py: a worker process must import them (spawn)."""
 import os
 import re
 import time

@@ -1,4 +1,4 @@
-"""Environments that score themselves, for tests/test_env_stop_eval.py (``task.env=self_scoring_envs:...``).
+"""Environments that score themselves, for tests/evaluation/test_environment_eval.py (``task.env=self_scoring_envs:...``).
 Every printable character is a stop string, so each policy turn of the tiny model is about one token."""
 import string
 

@@ -1,4 +1,4 @@
-"""benchmarks/vllm_engine.py on the default rollout.dtype=auto (issue 27, item 4): the engines get the
+"""benchmarks/vllm_engine.py on the default rollout.dtype=auto: the engines get the
 dtype training would resolve, never "auto" (the HF engine raised KeyError: 'auto')."""
 from benchmarks import vllm_engine
 

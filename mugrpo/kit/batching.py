@@ -1,7 +1,7 @@
 """An update's sequences laid out for the trainer: which to compute, in which rows, in which micro-batches.
 
 Three savings. Each leaves the update equal to the plain path's up to float rounding
-(``tests/test_batching.py`` compares per-token log-probs and every parameter's gradient):
+(``tests/kit/test_batching.py`` compares per-token log-probs and every parameter's gradient):
 
 1. **Zero-advantage skip** (:func:`sequences_to_train`). With no KL and no entropy term, a
    sequence with A = 0 has token loss -min(rho * 0, clip(rho) * 0) = 0 whatever the policy, so

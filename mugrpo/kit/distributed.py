@@ -11,7 +11,7 @@ every function here is the single-process identity.
   ``update_groups(n_s, P / S, u, ...)`` of that shard (P prompts per update, S shards). A rank
   processes the shards it owns (s % W == rank), so the union over ranks is a fixed function of
   the stage data and of u, whoever processes it: N ranks make the same update as one process
-  that reads all S shards (``tests/test_distributed.py`` checks it through a resume of a
+  that reads all S shards (``tests/kit/test_distributed.py`` checks it through a resume of a
   2-process run in one process). The token-mean denominator is summed over ranks by the trainer.
 - The policy is sharded with FSDP2 (``fully_shard`` per decoder layer, then the root), applied
   here to a model that knows nothing about it. Gradients are averaged over ranks by FSDP, so the

@@ -23,7 +23,7 @@ In a float64 Llama that rounding is float32-sized (1e-7 relative), not float64-s
 ``LlamaRMSNorm`` computes in float32 whatever the model's dtype, and the shared row sums the G
 responses' gradients at a prompt position before that float32 backward, the plain rows after it.
 Not the attention kernel (sdpa's math backend gives the same numbers); with the norm in float64
-the layouts agree to 1e-14 (docs/ALGORITHM.md section 9, ``tests/test_batching.py``).
+the layouts agree to 1e-14 (docs/ALGORITHM.md section 9, ``tests/kit/test_batching.py``).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class WarmStart:
         Every rank holds every example, so the normaliser is counted from ``seqs`` alone: the global
         token count with no collective. Returns (the step's mean NLL, the trained tokens the ranks'
         forwards covered), both summed over ranks in one all-reduce: the count equals the normaliser
-        when the ranks' shares cover the step once (tests/test_sft_distributed.py reads it)."""
+        when the ranks' shares cover the step once (tests/warmstart/test_phase_distributed.py reads it)."""
         data, world, m = self.data, self.world, self.model
         num_tokens = float(sum(data.num_policy_tokens(s) for s in seqs))
         layout = {"shared": False, "budget": self.cfg.schedule.micro_batch_tokens,

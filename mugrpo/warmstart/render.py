@@ -1,7 +1,7 @@
 """A demonstration as token ids, a loss mask and turn indices, rendered as the rollout loop renders it.
 
 The ids are what :mod:`mugrpo.rollout.multiturn` holds for the same conversation, id for id, when
-the policy samples the demonstration's turns (``tests/test_sft_rollout_equivalence.py``):
+the policy samples the demonstration's turns (``tests/warmstart/test_render_rollout_equivalence.py``):
 
 - the prompt: the messages before the first assistant message, with the tools,
   :func:`mugrpo.rollout.envs.render.prompt_ids` (what :func:`~mugrpo.rollout.envs.render.trajectory_prompt_ids`

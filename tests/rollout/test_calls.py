@@ -1,0 +1,110 @@
+"""The one runner of user code (mugrpo.rollout.calls.CallRunner) under hostile calls: hung calls never
+pile up threads (a process-wide cap, then refusals, counted as errors), and with the process isolation a
+call that holds the GIL (a catastrophic regex) ends at its timeout, its worker killed and replaced."""
+import json
+import threading
+import time
+
+import pytest
+
+import guard_tools
+from mugrpo.rollout import calls
+from mugrpo.rollout.calls import CallRunner
+from mugrpo.rollout.envs.tools import ToolEnvironment
+
+
+def tool_call(name, **arguments):
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+def test_hung_tool_calls_do_not_pile_up_threads(monkeypatch):
+    monkeypatch.setattr(calls, "MAX_ABANDONED", calls.abandoned_calls() + 3)
+    release = threading.Event()
+
+    def hang(x: int) -> int:
+        """Hang until released.
+
+        Args:
+            x: Ignored.
+        """
+        release.wait(60)
+        return x
+
+    env = ToolEnvironment([hang], timeout_s=0.2, runner=CallRunner(4))
+    before = threading.active_count()
+    try:
+        results = [env.step(tool_call("hang", x=i)) for i in range(6)]
+        # 3 calls hang (the cap), the other 3 are refused at once, without a thread of their own
+        assert threading.active_count() - before == 3
+        counts = [r.metadata for r in results]
+        assert sum(c["tool_timeouts"] for c in counts) == 3 and sum(c["tool_exceptions"] for c in counts) == 3
+        assert "refused" in results[-1].observations[0]["content"]
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before  # the hung threads ended: their count went back down
+    assert env.step(tool_call("hang", x=1)).metadata["tool_errors"] == 0  # calls run again
+
+
+def test_a_call_holding_the_gil_ends_at_its_timeout_under_the_process_isolation():
+    runner = CallRunner(2, isolation="process")
+    env = ToolEnvironment([guard_tools.backtrack, guard_tools.add], timeout_s=1.0, runner=runner)
+    assert env.step(tool_call("add", a=1, b=2)).observations[0]["content"] == "3"  # the worker started
+    t0 = time.monotonic()
+    result = env.step(tool_call("backtrack", n=30))  # about 2**30 steps of backtracking: minutes
+    took = time.monotonic() - t0
+    assert result.metadata["tool_timeouts"] == 1 and "did not return within 1 s" in result.observations[0]["content"]
+    assert took < 5
+    # a fresh worker replaces the killed one
+    assert env.step(tool_call("add", a=2, b=2)).observations[0]["content"] == "4"
+
+
+def test_process_isolation_reports_exceptions_and_a_dead_worker_as_errors():
+    runner = CallRunner(1, isolation="process")
+    out = runner.run([lambda: 1], 5.0)[0]  # a lambda does not pickle: an error of that call
+    assert not out.ok and "pickle" in out.error.lower()
+    fail, die, add = (calls_of(runner, fn, x) for fn, x in ((guard_tools.fail, 1), (guard_tools.die, 0),
+                                                             (guard_tools.add, 2)))
+    assert isinstance(fail.exception, ValueError) and "bad x 1" in fail.error
+    assert not die.ok and "worker process died (exit code 3)" in die.error
+    assert add.value == 4
+    picky = calls_of(runner, guard_tools.raise_picky, 1)
+    assert not picky.ok and "did not unpickle" in picky.error
+    assert calls_of(runner, guard_tools.add, 3).value == 6  # the same worker serves on
+
+
+def calls_of(runner, fn, x):
+    from mugrpo.rollout.envs.tools import _Bound
+
+    args = {"x": x} if fn is not guard_tools.add else {"a": x, "b": x}
+    return runner.run([_Bound(fn, args)], 5.0)[0]
+
+
+def test_the_isolation_is_checked():
+    with pytest.raises(ValueError, match="isolation must be one of"):
+        CallRunner(1, isolation="fork")
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_hung_call_never_keeps_the_process_alive_at_exit(isolation, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import guard_tools\n"
+        "from mugrpo.rollout.calls import CallRunner\n"
+        "from mugrpo.rollout.envs.tools import _Bound\n"
+        "if __name__ == '__main__':\n"
+        f"    runner = CallRunner(2, isolation={isolation!r})\n"
+        "    out = runner.run([_Bound(guard_tools.sleep, {'seconds': 120.0})], 0.5)\n"
+        "    print('timed out' if out[0].timed_out else out)\n")
+    root = Path(__file__).parents[2]
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": f"{root}:{root / 'tests'}", "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0 and done.stdout.strip() == "timed out", done.stderr
+    assert time.monotonic() - t0 < 30  # not the 120 s the call would take
