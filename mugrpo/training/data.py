@@ -14,7 +14,9 @@ to them) but leave ``MicroBatch.response_mask``, so the loss, its normaliser, KL
 and every diagnostic see policy tokens only. Single-turn data has no ``turns`` (all turn 0).
 
 Format versions (safetensors metadata ``format_version``): 1 (and files without a version) have no
-``turns``; 2 may have it. A file of a later version is refused with a message.
+``turns``; 2 may have it, and an int64 ``policy_versions`` (one per sequence; written only by stages
+generated ahead, ignored by a mugrpo that predates it, read as the stage's index where absent). A
+file of a later version is refused with a message.
 
 Shapes: B sequences in a micro-batch, P padded prompt length, R padded response length.
 """
@@ -97,6 +99,15 @@ class StageData:
     turns: list[list[int]] | None = field(default=None, kw_only=True)
     """One per sequence, one entry per response token: policy turn k >= 0 or :data:`ENV_TURN`;
     None = single-turn data (every token of turn 0)."""
+    policy_versions: list[int] | None = field(default=None, kw_only=True)
+    """One per sequence: the policy version that generated it, i.e. the stage at whose start the
+    behaviour weights were taken (set by stages generated ahead, :mod:`mugrpo.training.ahead`).
+    None (the synchronous loop, and shards written before it existed): the stage's own index, see
+    :meth:`versions`."""
+
+    def versions(self, stage: int) -> list[int]:
+        """Each sequence's policy version; ``stage`` (this data's stage) where none was recorded."""
+        return [stage] * len(self.responses) if self.policy_versions is None else self.policy_versions
 
     def turns_of(self, s: int) -> list[int]:
         """Sequence ``s``'s per-token turn index (all 0 for single-turn data)."""
@@ -117,10 +128,11 @@ class StageData:
         idx = torch.tensor(seqs, dtype=torch.long)
         trainer = None if self.trainer_logprobs is None else [self.trainer_logprobs[s] for s in seqs]
         turns = None if self.turns is None else [self.turns[s] for s in seqs]
+        versions = None if self.policy_versions is None else [self.policy_versions[s] for s in seqs]
         return StageData([self.prompts[g] for g in groups], [self.responses[s] for s in seqs],
                          [self.behavior_logprobs[s] for s in seqs], self.rewards[idx], self.advantages[idx],
                          self.finished[idx], [self.item_indices[g] for g in groups], G, trainer_logprobs=trainer,
-                         turns=turns)
+                         turns=turns, policy_versions=versions)
 
     def save(self, path: Path) -> None:
         """Atomic write (temp file, fsync, rename)."""
@@ -144,6 +156,8 @@ class StageData:
             tensors["trainer_logprobs"] = flat(self.trainer_logprobs, torch.float32)[0]
         if self.turns is not None:
             tensors["turns"] = flat(self.turns, torch.int8)[0]
+        if self.policy_versions is not None:
+            tensors["policy_versions"] = torch.tensor(self.policy_versions, dtype=torch.int64)
         meta = {"group_size": str(self.group_size), "format_version": str(FORMAT_VERSION)}
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
@@ -160,13 +174,14 @@ class StageData:
                 meta = f.metadata()
             version = int(meta.get("format_version", 1))
             t = load_file(str(path))
-            trainer, turns = t.get("trainer_logprobs"), t.get("turns")
+            trainer, turns, versions = t.get("trainer_logprobs"), t.get("turns"), t.get("policy_versions")
             offsets = t["response_offsets"]
             data = cls(unflat(t["prompt_ids"], t["prompt_offsets"]), unflat(t["response_ids"], offsets),
                        unflat(t["behavior_logprobs"], offsets), t["rewards"], t["advantages"],
                        t["finished"].bool(), t["item_indices"].tolist(), int(meta["group_size"]),
                        trainer_logprobs=None if trainer is None else unflat(trainer, offsets),
-                       turns=None if turns is None else unflat(turns, offsets))
+                       turns=None if turns is None else unflat(turns, offsets),
+                       policy_versions=None if versions is None else versions.tolist())
         except (SafetensorError, OSError, KeyError, TypeError, ValueError) as exc:
             raise StageDataError(path, exc) from exc
         if version > FORMAT_VERSION:

@@ -218,7 +218,9 @@ def load_stage_shards(stage_dir: Path, world: World) -> StageData | None:
         group_size=parts[0].group_size, shard_sizes=[d.num_groups for d in parts],
         trainer_logprobs=None if parts[0].trainer_logprobs is None else [t for d in parts for t in d.trainer_logprobs],
         turns=None if all(d.turns is None for d in parts)
-        else [d.turns_of(s) for d in parts for s in range(len(d.responses))])
+        else [d.turns_of(s) for d in parts for s in range(len(d.responses))],
+        policy_versions=None if any(d.policy_versions is None for d in parts)
+        else [v for d in parts for v in d.policy_versions])
 
 
 def rank_update_groups(data: StageData, prompts_per_rank: int, update_in_stage: int, seed: int, stage: int

@@ -43,6 +43,7 @@ from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
 from mugrpo.rollout.tasks import Task, build_task
+from mugrpo.training import ahead
 from mugrpo.training import checkpoint as ckpt
 from mugrpo.training import distributed as dist
 from mugrpo.training import replay as replay_mod
@@ -187,12 +188,16 @@ class Trainer:
             raise ConfigError("task.reward_fn=none leaves nothing to score: it is for an environment that scores "
                               "itself (task.env / task.tools); set task.env, or a task.reward_fn")
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
+        engine = ahead.shared_engine(engine, cfg.schedule.async_stages)  # async: generation and evaluation take turns
         parts = RolloutParts(engine, task, tokenizer, env_factory)
         progress = Progress(enabled=cfg.train.progress and world.is_main)
         trainer = cls(cfg, plan, world, policy, m.optimizer, m.scheduler, device=m.device, resolved=resolved,
                       ref_model=m.ref_model, parts=parts, run_dir=run_dir, progress=progress)
         store = build_store(cfg, world, parts, run_dir, trainer.step)
-        trainer.source = build_stage_source(cfg, plan, world, parts, policy, store, progress, replay)
+        if cfg.schedule.async_stages:  # stages generated ahead, in a thread (mugrpo.training.ahead)
+            trainer.source = ahead.build_ahead_source(cfg, plan, world, parts, policy, store, replay)
+        else:
+            trainer.source = build_stage_source(cfg, plan, world, parts, policy, store, progress, replay)
         return trainer
 
     def resume(self) -> None:
@@ -279,6 +284,7 @@ class Trainer:
         stage_metrics["perf/optimize_s"] = optimize_s
         stage_metrics["perf/eval_s"] = self.evaluator.finish_stage(state)
         stage_metrics["perf/checkpoint_s"] = self.ckpt_s
+        stage_metrics.update(getattr(self.source, "stage_end_metrics", dict)())  # async: idle fractions (ahead.py)
         self.log("stage", stage_metrics, update_in_stage=state.update_in_stage)
         if self.world.is_main:
             self.progress.stage_summary(state.stage, stage_metrics)
@@ -302,7 +308,8 @@ class Trainer:
 
     def close(self) -> None:
         engine = self.parts.engine if self.parts is not None else None
-        for close in (self.logger.close, engine and engine.close):
+        # The source first: stages generated ahead stop their thread before the engine closes.
+        for close in (getattr(self.source, "close", None), self.logger.close, engine and engine.close):
             if close:
                 close()
 
