@@ -161,7 +161,7 @@ def _stage_rows(plan: Plan, cfg: Config) -> list[tuple[str, object]]:
 
 
 def _async_row(plan: Plan) -> tuple[str, str]:
-    """Stages generated ahead (``schedule.async_stages``, docs/ALGORITHM.md section 3b)."""
+    """Stages generated ahead (``schedule.async_stages``, docs/ALGORITHM.md section 3c)."""
     k = plan.async_stages
     if not k:
         return ("stages generated ahead", "0 (synchronous: each stage generated, then optimised)")

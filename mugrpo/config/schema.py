@@ -84,7 +84,7 @@ class ScheduleConfig:
     """With a guard: a stage never ends before this many updates (at most mu). Stages in the run:
     between U / mu and ceil(U / adaptive_min_updates)."""
     async_stages: int = 0
-    """k: stages generated ahead (docs/ALGORITHM.md section 3b, :mod:`mugrpo.training.ahead`). 0: the
+    """k: stages generated ahead (docs/ALGORITHM.md section 3c, :mod:`mugrpo.training.ahead`). 0: the
     synchronous loop (generate stage s, then optimise it). k >= 1: while the trainer optimises stage
     s, a background thread generates stages up to s + k from a copy of the weights taken at stage s's
     start, so stage data lags the policy by at most k stages (``stage/policy_lag_max``). At most

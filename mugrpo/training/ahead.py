@@ -1,4 +1,4 @@
-"""Stages generated ahead (``schedule.async_stages`` = k >= 1, docs/ALGORITHM.md section 3b).
+"""Stages generated ahead (``schedule.async_stages`` = k >= 1, docs/ALGORITHM.md section 3c).
 
 :class:`AheadStages` is a stage source (:mod:`mugrpo.training.sources`) around the run's
 :class:`~mugrpo.training.generation.GeneratedStages`: while the trainer optimises stage s, one
