@@ -32,8 +32,8 @@ def _env(**extra):
 
 
 def _train(run_dir, model_dir, *extra, **env):
-    return subprocess.run([sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir), f"model.name={model_dir}",
-                           *RUN, *extra], env=_env(**env), capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir),
+                           f"model.name={model_dir}", *RUN, *extra], env=_env(**env), capture_output=True, text=True)
 
 
 def _stages(run_dir):
