@@ -180,6 +180,7 @@ def test_idle_fractions_are_fractions_of_the_measured_stage_interval(ahead_run):
     assert stages[0]["perf/trainer_wait_s"] >= stages[0]["perf/generate_s"]
 
 
+@pytest.mark.slow  # ~25 s
 def test_synchronous_run_is_unchanged_and_records_no_versions(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     r = _train(run_dir, tiny_model_dir, "schedule.num_stages=2", "schedule.total_updates=4")
@@ -226,3 +227,19 @@ def test_kill_during_generation_ahead_resumes_bitwise(tmp_path, tiny_model_dir, 
     assert [set(_versions(run_dir, t)) for t in range(4)] == [{0}, {0}, {1}, {2}]
     updates = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "update"]
     assert [r["update"] for r in updates] == list(range(1, 9))
+
+
+@pytest.mark.slow  # ~25 s
+def test_generation_ahead_with_an_environment_and_dynamic_sampling(tmp_path, tiny_model_dir):
+    # Both run in the generating thread: multi-turn trajectories (the TryAgain environment, up to 3
+    # turns) collected in dynamic sampling's rounds; 3 stages of 2 updates.
+    run_dir = tmp_path / "run"
+    r = _train(run_dir, tiny_model_dir, "schedule.async_stages=1", "schedule.total_updates=6", "schedule.num_stages=3",
+               "task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=16", "env.max_turns=3",
+               "rollout.dynamic_sampling=true", "rollout.prompts_per_stage=16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    stages = _stages(run_dir)
+    assert [s["stage/policy_lag_max"] for s in stages] == [0, 1, 1]
+    assert all(s["stage/num_rounds"] >= 1 and "env/num_done" in s for s in stages)
+    data = StageData.load(run_dir / "stages" / "stage_002" / "rollouts_rank0.safetensors")
+    assert data.turns is not None and set(data.policy_versions) == {1}
