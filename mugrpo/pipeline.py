@@ -37,6 +37,7 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     kind = "replay" if replay is not None else "rl"
     with RunLifecycle(rd, cfg, kind, resume, world) as life:  # a resume of an sft run stops here, nothing written
         model_path = None
+        life.stop_point()  # a stop during the imports: nothing is written
         if resume or cfg.warmstart.data is not None:
             # Before any work: a second process on this run directory stops here. A new run with a warm
             # start claims its directory first: the warm start is work a resume must find.

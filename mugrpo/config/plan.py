@@ -11,6 +11,9 @@ Definitions (docs/ALGORITHM.md section 3):
   shuffled, cycling through several passes when mu x prompts_per_update > prompts_per_stage.
 - Staleness of update j (0-based) inside a stage = j: the number of optimizer updates since the
   behaviour snapshot was taken.
+- Stages generated ahead (``schedule.async_stages`` = k): stage s's data comes from the policy as of
+  stage s - k's start (the first k + 1 stages: the initial policy), so a sequence's policy lag is
+  0 .. k stages, and its staleness at update j of its stage up to k x mu + j updates.
 - Adaptive stages (``schedule.adaptive`` != none, :mod:`mugrpo.algo.adaptive`): mu is the MAXIMUM stage
   length and U the budget, so the number of stages is variable, between U / mu and
   ceil(U / adaptive_min_updates); ``num_stages`` and ``weight_syncs`` are then None and only
@@ -52,6 +55,8 @@ class Plan:
     """Adaptive: no stage ends before this many updates (unless the budget does); fixed: mu."""
     min_stages: int = 0
     max_stages: int = 0
+    async_stages: int = 0
+    """k: stages generated ahead (0: synchronous); stage data lags the policy by at most k stages."""
 
 
 def make_plan(cfg: Config, world_size: int = 1) -> Plan:
@@ -91,6 +96,7 @@ def make_plan(cfg: Config, world_size: int = 1) -> Plan:
         min_updates_per_stage=min_len,
         min_stages=stages,
         max_stages=math.ceil(total / min_len),
+        async_stages=s.async_stages,
     )
 
 
@@ -113,6 +119,7 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
         ("micro-batch budget", micro),
         ("passes over each stage's data", f"{'at most ' if plan.num_stages is None else ''}{plan.passes_per_stage:g}"),
         ("staleness range (updates)", f"0 .. {plan.max_staleness}"),
+        _async_row(plan),
         ("clip range", cfg.loss.describe()),
         ("veto", "none" if cfg.loss.veto_scope == "none"
          else f"{cfg.loss.veto_scope}, delta={cfg.loss.veto_delta:g}"),
@@ -151,3 +158,15 @@ def _stage_rows(plan: Plan, cfg: Config) -> list[tuple[str, object]]:
             ("stage ends early when", f"{guard} after an update"),
             ("total updates (U)", f"{plan.total_updates} (the budget, whatever the number of stages)"),
             ("weight syncs", f"one per stage: {between}")]
+
+
+def _async_row(plan: Plan) -> tuple[str, str]:
+    """Stages generated ahead (``schedule.async_stages``, docs/ALGORITHM.md section 3c)."""
+    k = plan.async_stages
+    if not k:
+        return ("stages generated ahead", "0 (synchronous: each stage generated, then optimised)")
+    ahead = "s + 1" if k == 1 else f"s + 1 .. s + {k}"
+    return ("stages generated ahead", f"{k} (stage {ahead} generated while stage s is optimised; policy lag "
+                                      f"0 .. {k} stage{'s' if k > 1 else ''}, i.e. up to {k * plan.updates_per_stage}"
+                                      f" + {plan.max_staleness} updates of staleness)")
+

@@ -25,6 +25,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.activation_checkpointing and model.gradient_checkpointing are both true; they "
                           "do the same thing two ways. Keep parallel.activation_checkpointing (works with FSDP2) "
                           "and set model.gradient_checkpointing=false")
+    if cfg.schedule.async_stages and cfg.loss.behavior_logprobs == "trainer":
+        raise ConfigError(f"schedule.async_stages={cfg.schedule.async_stages} and loss.behavior_logprobs=trainer do "
+                          "not combine: the trainer-side behaviour log-probs are recomputed with the policy that generated "
+                          "the stage, which has moved on by the time a stage generated ahead is ready. Set "
+                          "schedule.async_stages=0, or loss.behavior_logprobs=engine")
     stage_shape(cfg.schedule, cfg.rollout)
     _warn_warmup(cfg.optim, cfg.schedule)
 

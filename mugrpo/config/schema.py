@@ -30,7 +30,7 @@ from mugrpo.config.warmstart_section import WarmstartConfig
 from mugrpo.errors import ConfigError
 
 __all__ = [  # the sections of rollout_sections are re-exported: every section is importable from here
-    "ADAPTIVE_GUARDS", "AGGREGATIONS", "BEHAVIOR_LOGPROBS", "CLIP_MODES", "DEFAULT_FEW_SHOT", "DEFAULT_INSTRUCTION",
+    "ADAPTIVE_GUARDS", "AGGREGATIONS", "MAX_ASYNC_STAGES", "BEHAVIOR_LOGPROBS", "CLIP_MODES", "DEFAULT_FEW_SHOT", "DEFAULT_INSTRUCTION",
     "LOGGERS", "LORA_DEFAULT_TARGETS", "RATIO_LEVELS", "VETO_NORMALIZERS", "VETO_SCOPES", "CheckpointConfig",
     "Config", "EnvConfig", "EvalConfig", "LogConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig",
     "ParallelConfig", "RolloutConfig", "ScheduleConfig", "TaskConfig", "TrainConfig", "VllmConfig",
@@ -40,6 +40,10 @@ __all__ = [  # the sections of rollout_sections are re-exported: every section i
 
 ADAPTIVE_GUARDS = ("none", "kl", "neg_ratio", "kl_or_neg_ratio")
 """``schedule.adaptive``: the drift guards that may end a stage early (:mod:`mugrpo.algo.adaptive`)."""
+
+
+MAX_ASYNC_STAGES = 2
+"""The bound of ``schedule.async_stages``: stage data lags the policy by at most this many stages."""
 
 
 @dataclass
@@ -79,6 +83,13 @@ class ScheduleConfig:
     adaptive_min_updates: int = 1
     """With a guard: a stage never ends before this many updates (at most mu). Stages in the run:
     between U / mu and ceil(U / adaptive_min_updates)."""
+    async_stages: int = 0
+    """k: stages generated ahead (docs/ALGORITHM.md section 3c, :mod:`mugrpo.stages.ahead`). 0: the
+    synchronous loop (generate stage s, then optimise it). k >= 1: while the trainer optimises stage
+    s, a background thread generates stages up to s + k from a copy of the weights taken at stage s's
+    start, so stage data lags the policy by at most k stages (``stage/policy_lag_max``). At most
+    ``MAX_ASYNC_STAGES`` (2). One process only; not with ``--replay`` nor
+    ``loss.behavior_logprobs=trainer``."""
 
     def validate(self) -> None:
         for key in ("total_updates", "prompts_per_update", "micro_batch_tokens"):
@@ -99,6 +110,9 @@ class ScheduleConfig:
                "in (0, 1] (E[rho | A<0] starts at 1 and falls as the stage drifts)", self.adaptive_neg_ratio_min)
         check(self.adaptive_min_updates >= 1, "schedule.adaptive_min_updates", "an integer >= 1",
                self.adaptive_min_updates)
+        check(isinstance(self.async_stages, int) and 0 <= self.async_stages <= MAX_ASYNC_STAGES,
+              "schedule.async_stages", f"an integer in 0 .. {MAX_ASYNC_STAGES} (stages generated ahead; 0: "
+              "synchronous)", self.async_stages)
 
 
 VETO_NORMALIZERS = ("pre_veto", "post_veto")

@@ -127,6 +127,7 @@ def write_report(runs: list[rd.Run], out: Path, levels=None, eval_levels=None, e
         "eval_levels": _reach_table(runs, evals, eval_levels) if evals else [],
         "by_position": {r.label: rd.by_position(r, eval_key) for r in runs},
         "environments": {r.label: e for r in runs if (e := rd.environment_summary(r)) is not None},
+        "async": {r.label: a for r in runs if (a := rd.async_summary(r)) is not None},
         "warmstart": {r.label: r.warmstart for r in runs if r.warmstart is not None},
     }
     (out / "summary.json").write_text(json.dumps(json_safe(data), indent=1) + "\n")
@@ -305,6 +306,7 @@ def _markdown(title: str, runs, data: dict, figures: list[str]) -> str:
     phases = [*rd.PHASES, "other", "total"]
     rows = [[label] + [_num(t.get(p, 0.0), "{:.1f}") for p in phases] for label, t in data["stage_time_totals"].items()]
     parts += ["## Time per phase (sum over stages, seconds)\n", _table(["run", *phases], rows)]
+    parts += _async_section(data["async"])
     parts += _reach_section("reward/mean", data["reward_levels"], runs)
     if eval_key:
         parts += _reach_section(eval_key, data["eval_levels"], runs)
@@ -328,6 +330,23 @@ def _position_section(by_run: dict, eval_key) -> list[str]:
                   f"{r['num_updates']} ({r['num_evals']})", *(_num(r[k], "{:.4g}") for k in keys)] for r in rows]
         parts += [f"### {label}\n", _table(["p", "n", *keys], table)]
     return parts
+
+
+def _async_section(runs: dict) -> list[str]:
+    """Runs with stages generated ahead: the lag and who waited (docs/ALGORITHM.md section 3c)."""
+    if not runs:
+        return []
+    rows = [[label, _num(a["async_stages"], "{}"), _num(a["policy_lag_max"], "{:.0f}"),
+             _num(a["policy_lag_mean"], "{:.2f}"), _num(a["trainer_idle_frac"]), _num(a["engine_idle_frac"]),
+             _num(a["wall_s"], "{:.1f}")]
+            for label, a in runs.items()]
+    return ["## Stages generated ahead\n",
+            "Policy lag: stages between a stage and the policy version that generated it. Idle fractions: "
+            "the trainer's waits for the generator, and the generator's time with nothing to generate, over "
+            "the summed stage intervals. Generation overlaps optimisation here, so the phase times above add "
+            "up to more than the wall-clock.\n",
+            _table(["run", "async_stages", "lag max", "lag mean", "trainer idle frac", "engine idle frac",
+                    "stage intervals s"], rows)]
 
 
 def _environment_section(envs: dict) -> list[str]:

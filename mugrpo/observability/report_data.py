@@ -287,6 +287,30 @@ def summary(run: Run, eval_key: Optional[str]) -> dict:
     }
 
 
+def async_summary(run: Run) -> Optional[dict]:
+    """A run with stages generated ahead (``schedule.async_stages``, docs/ALGORITHM.md section 3c), or
+    None for a synchronous one: the policy lag over its stages (``policy_lag_mean`` weighted by the
+    stages' sequences) and the idle fractions over the whole run, i.e. the summed waits and idle
+    seconds over the summed stage intervals (not a mean of the stages' fractions); ``by_stage``: each
+    stage's own."""
+    stages = [s for s in run.stages if s.get("perf/stage_wall_s") is not None]
+    if not stages:
+        return None
+    wall = sum(value(s, "perf/stage_wall_s") for s in stages)
+    weights = [value(s, "stage/num_sequences") if s.get("stage/num_sequences") else 1.0 for s in stages]
+    lag_mean = sum(w * value(s, "stage/policy_lag_mean") for w, s in zip(weights, stages)) / sum(weights)
+    return {
+        "async_stages": (run.config.get("schedule") or {}).get("async_stages"),
+        "num_stages": len(stages), "wall_s": wall,
+        "policy_lag_max": max(value(s, "stage/policy_lag_max") for s in stages), "policy_lag_mean": lag_mean,
+        "trainer_idle_frac": sum(value(s, "perf/trainer_wait_s") for s in stages) / wall if wall > 0 else math.nan,
+        "engine_idle_frac": sum(value(s, "perf/engine_idle_s") for s in stages) / wall if wall > 0 else math.nan,
+        "by_stage": [{"stage": s["stage"], **{k: value(s, f"{ns}/{k}") for ns, k in (
+            ("stage", "policy_lag_max"), ("stage", "policy_lag_mean"), ("perf", "trainer_idle_frac"),
+            ("perf", "engine_idle_frac"), ("perf", "stage_wall_s"))}} for s in stages],
+    }
+
+
 def environment_summary(run: Run) -> Optional[dict]:
     """A run's multi-turn totals over its stages, or None for a run without an environment.
 

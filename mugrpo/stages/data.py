@@ -14,7 +14,9 @@ to them) but leave ``MicroBatch.response_mask``, so the loss, its normaliser, KL
 and every diagnostic see policy tokens only. Single-turn data has no ``turns`` (all turn 0).
 
 Format versions (safetensors metadata ``format_version``): 1 (and files without a version) have no
-``turns``; 2 may have it. A file of a later version is refused with a message.
+``turns``; 2 may have it, and an int64 ``policy_versions`` (one per sequence; written only by stages
+generated ahead, ignored by a mugrpo that predates it, read as the stage's index where absent). A
+file of a later version is refused with a message.
 
 Shapes: B sequences in a micro-batch, P padded prompt length, R padded response length.
 """
@@ -82,8 +84,9 @@ class Field:
     name: str
     per: str
     """"group": one value per group; "group_tokens": one token list per group (the prompt);
-    "sequence": one value per sequence, a tensor; "tokens": one list per sequence, aligned with the
-    sequence's response tokens (stored flat, cut by the responses' offsets)."""
+    "sequence": one value per sequence, a tensor; "sequence_values": one value per sequence, a list;
+    "tokens": one list per sequence, aligned with the sequence's response tokens (stored flat, cut by
+    the responses' offsets)."""
     dtype: torch.dtype
     """The dtype on disk."""
     key: str
@@ -111,6 +114,7 @@ SCHEMA: tuple[Field, ...] = (
     Field("item_indices", "group", torch.int64, "item_indices"),
     Field("trainer_logprobs", "tokens", torch.float32, "trainer_logprobs", optional=True),
     Field("turns", "tokens", torch.int8, "turns", optional=True, fill=_zero_turns),
+    Field("policy_versions", "sequence_values", torch.int64, "policy_versions", optional=True),
 )
 """Every field of a stage's data, in one place: :meth:`StageData.save`, :meth:`StageData.load`,
 :meth:`StageData.subset` and :func:`gather_groups` (rounds, shards) read it, so adding a field is a
@@ -139,6 +143,15 @@ class StageData:
     turns: list[list[int]] | None = field(default=None, kw_only=True)
     """One per sequence, one entry per response token: policy turn k >= 0 or :data:`ENV_TURN`;
     None = single-turn data (every token of turn 0)."""
+    policy_versions: list[int] | None = field(default=None, kw_only=True)
+    """One per sequence: the policy version that generated it, i.e. the stage at whose start the
+    behaviour weights were taken (set by stages generated ahead, :mod:`mugrpo.stages.ahead`).
+    None (the synchronous loop, and shards written before it existed): the stage's own index, see
+    :meth:`versions`."""
+
+    def versions(self, stage: int) -> list[int]:
+        """Each sequence's policy version; ``stage`` (this data's stage) where none was recorded."""
+        return [stage] * len(self.responses) if self.policy_versions is None else self.policy_versions
 
     def turns_of(self, s: int) -> list[int]:
         """Sequence ``s``'s per-token turn index (all 0 for single-turn data)."""
@@ -167,7 +180,7 @@ class StageData:
                 tensors[f.key], offsets = _flat(value, f.dtype)
                 if f.offsets:
                     tensors[f.offsets] = offsets
-            elif f.per == "group":
+            elif f.per in ("group", "sequence_values"):
                 tensors[f.key] = torch.tensor(value, dtype=f.dtype)
             else:
                 tensors[f.key] = value.to(f.dtype).contiguous()
@@ -189,7 +202,7 @@ class StageData:
                     values[f.name] = None
                 elif f.per in ("group_tokens", "tokens"):
                     values[f.name] = _unflat(t[f.key], t[f.offsets or "response_offsets"])
-                elif f.per == "group":
+                elif f.per in ("group", "sequence_values"):
                     values[f.name] = t[f.key].tolist()
                 else:
                     values[f.name] = t[f.key].bool() if f.name == "finished" else t[f.key]
@@ -230,7 +243,7 @@ def gather_groups(picks: Sequence[tuple[StageData, int]], template: StageData, c
             values[f.name] = None
         elif f.per in ("group", "group_tokens"):
             values[f.name] = [getattr(part, f.name)[g] for part, g in picks]
-        elif f.per == "tokens":
+        elif f.per in ("tokens", "sequence_values"):
             values[f.name] = [getattr(part, f.name)[s] if getattr(part, f.name) is not None else f.fill(part, s)
                               for part, s in seqs]
         else:

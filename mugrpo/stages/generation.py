@@ -186,16 +186,21 @@ class GeneratedStages:
         self.collector, self.store, self.policy, self.engine = collector, store, policy, engine
         self.step, self.world = step, world
 
-    def stage(self, state, stopper=None) -> tuple[StageData, dict]:
+    def stage(self, state, stopper=None, snapshot=None) -> tuple[StageData, dict]:
+        """``snapshot``: the behaviour weights to push instead of the policy's, with the policy version
+        each sequence records (``.tensors``, ``.version``: :class:`mugrpo.stages.ahead.PolicySnapshot`)."""
         gen = self.collector.gen
         stage_dir = self.store.stage_dir(state.stage)
         loaded = self.store.load(stage_dir)
         if loaded is not None:
             return loaded[0], {"stage/resumed": 1.0, **loaded[1]}
         t0 = time.perf_counter()
-        with weights_loaded(self.engine, dist.full_state_items(self.policy)):
+        weights = dist.full_state_items(self.policy) if snapshot is None else snapshot.tensors.items()
+        with weights_loaded(self.engine, weights):
             t_sync = time.perf_counter()
             data, record, dynamic_metrics = self.collector.collect(state, stage_dir, stopper)
+        if snapshot is not None:
+            data.policy_versions = [snapshot.version] * len(data.responses)
         t_gen = time.perf_counter()
         data, stats = self._filter(state.stage, data, gen.cfg.loss.drop_zero_var_groups)
         # An environment's loop counts: summed over the rounds (if any), then over ranks.

@@ -54,6 +54,7 @@ from mugrpo.kit.step import accumulate, check_some_steps_applied, device_batches
 from mugrpo.kit.update import StepSettings, normaliser, ratio_inputs
 from mugrpo.rollout.engines import build_engine
 from mugrpo.run_dir import RunDir
+from mugrpo.stages import ahead
 from mugrpo.stages import replay as replay_mod
 from mugrpo.stages.data import StageData
 from mugrpo.stages.samplers import RolloutParts
@@ -96,6 +97,7 @@ def train(cfg: Config, life: RunLifecycle, task: Task | None = None, replay: str
     if life.resume:
         trainer.resume()
     else:
+        life.stop_point()  # a stop while the model loaded: a new run has written nothing yet
         life.claim()  # (a new run: only now that model, task and engine have loaded, so a failed start leaves nothing)
         if source is not None and world.is_main:
             replay_mod.record_source(rd.path, source)
@@ -184,12 +186,16 @@ class Trainer:
             raise ConfigError("task.reward_fn=none leaves nothing to score: it is for an environment that scores "
                               "itself (task.env / task.tools); set task.env, or a task.reward_fn")
         engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
+        engine = ahead.shared_engine(engine, cfg.schedule.async_stages)  # async: generation and evaluation take turns
         parts = RolloutParts(engine, task, tokenizer, env_factory)
         progress = Progress(enabled=cfg.train.progress and world.is_main)
         trainer = cls(cfg, plan, world, policy, m.optimizer, m.scheduler, device=m.device, resolved=resolved,
                       ref_model=m.ref_model, parts=parts, run_dir=run_dir, progress=progress)
         store = build_store(cfg, world, parts, run_dir, trainer.step)
-        trainer.source = build_stage_source(cfg, plan, world, parts, policy, store, progress, replay)
+        if cfg.schedule.async_stages:  # stages generated ahead, in a thread (mugrpo.stages.ahead)
+            trainer.source = ahead.build_ahead_source(cfg, plan, world, parts, policy, store, replay)
+        else:
+            trainer.source = build_stage_source(cfg, plan, world, parts, policy, store, progress, replay)
         return trainer
 
     def resume(self) -> None:
@@ -267,6 +273,7 @@ class Trainer:
         stage_metrics["perf/optimize_s"] = optimize_s
         stage_metrics["perf/eval_s"] = self.evaluator.finish_stage(state)
         stage_metrics["perf/checkpoint_s"] = self.ckpt_s
+        stage_metrics.update(getattr(self.source, "stage_end_metrics", dict)())  # async: idle fractions (ahead.py)
         self.log("stage", stage_metrics, update_in_stage=state.update_in_stage)
         if self.world.is_main:
             self.progress.stage_summary(state.stage, stage_metrics)
@@ -285,7 +292,8 @@ class Trainer:
 
     def close(self) -> None:
         engine = self.parts.engine if self.parts is not None else None
-        for close in (self.logger.close, engine and engine.close):
+        # The source first: stages generated ahead stop their thread before the engine closes.
+        for close in (getattr(self.source, "close", None), self.logger.close, engine and engine.close):
             if close:
                 close()
 

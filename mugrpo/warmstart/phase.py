@@ -210,6 +210,7 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
     rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     with RunLifecycle(rd, cfg, kind, resume, world) as life:  # a resume of another kind stops here, nothing written
         source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
+        life.stop_point()  # a stop while the data rendered: nothing written yet for a new run
         if resume:
             life.claim()
         else:
@@ -221,6 +222,7 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
         if resume:
             phase.resume()
         else:
+            life.stop_point()
             life.claim()
         life.stop_point()  # a stop while the examples rendered or the model loaded
         return phase.run(life.stopper)
