@@ -39,6 +39,7 @@ import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.suite import common_arguments, write_result  # noqa: E402
 from mugrpo.training import distributed as dist  # noqa: E402
 from mugrpo.config import load_config  # noqa: E402
 from mugrpo.training.data import StageData  # noqa: E402
@@ -61,7 +62,7 @@ VARIANTS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON file for the results")
+    common_arguments(p, "gpu_fsdp_check")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2-0.5b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
@@ -187,11 +188,10 @@ def run_variant(name: str, overrides: dict, args, world: dist.World) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = init_group(args.device)
-    results = {"status": "ran", "preset": args.preset, "device": args.device, "torch": torch.__version__,
-               "args": vars(args), "variants": []}
-    if args.device == "cuda":
-        results["gpu"] = torch.cuda.get_device_name()
-    for name in args.variants.split(","):
+    results = {"status": "ran", "preset": args.preset, "device": args.device, "variants": []}
+    gpu = {"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}
+    names = args.variants.split(",")
+    for name in names:
         t0 = time.perf_counter()
         try:
             result = run_variant(name, VARIANTS[name], args, world)
@@ -201,8 +201,8 @@ def main(argv=None) -> int:
         results["variants"].append(result)
         if world.is_main:
             print(json.dumps({k: v for k, v in result.items() if k != "traceback"}), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            write_result(args.out, "gpu_fsdp_check", results, args, finished=len(results["variants"]) == len(names),
+                         world_size=world.size, **gpu)
     tdist.destroy_process_group()
     return 0
 
