@@ -3,7 +3,7 @@
 call and its result pickled), and what a timeout costs under ``process`` (the worker killed, a fresh
 one started on the next call).
 
-    PYTHONPATH=.:tests OMP_NUM_THREADS=1 python -m benchmarks.call_isolation --calls 200
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks call_isolation --calls 200
 
 Writes benchmarks/results/call_isolation.json in the suite's schema (:mod:`benchmarks.suite`). A benchmark, not a test: it asserts nothing.
 """
@@ -13,12 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import guard_tools
-from benchmarks.suite import common_arguments, write_result
-from mugrpo.rollout.calls import CallRunner
-from mugrpo.rollout.envs.tools import _Bound
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test suite's tools (guard_tools)
+
+import guard_tools  # noqa: E402
+from benchmarks.suite import common_arguments, write_result  # noqa: E402
+from mugrpo.rollout.calls import CallRunner  # noqa: E402
+from mugrpo.rollout.envs.tools import _Bound  # noqa: E402
 
 
 def per_call_s(runner: CallRunner, calls: int, batch: int, fn, args: dict) -> float:

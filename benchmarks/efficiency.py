@@ -4,9 +4,9 @@ Three parts, one command each; every number goes into ``benchmarks/results/effic
 part replaces its own key), with the CPU capability beside it, and ``job`` also draws
 ``benchmarks/results/efficiency_job.png``. docs/BENCHMARKS.md section 3 reads them.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.efficiency job --before f8ba031   # ~40 min on 2 cores
-    PYTHONPATH=. .venv/bin/python -m benchmarks.efficiency update RUN_DIR         # ~5 min
-    PYTHONPATH=. .venv/bin/python -m benchmarks.efficiency memory --before f8ba031 # ~5 min
+    PYTHONPATH=. .venv/bin/python -m benchmarks efficiency job --before f8ba031   # ~40 min on 2 cores
+    PYTHONPATH=. .venv/bin/python -m benchmarks efficiency update RUN_DIR         # ~5 min
+    PYTHONPATH=. .venv/bin/python -m benchmarks efficiency memory --before f8ba031 # ~5 min
 
 - ``job``: the default job end to end, as the README runs it: ``before`` in a git worktree of that
   commit (its own defaults: HF engine, bf16 autocast), then ``bash scripts/train.sh`` here (the

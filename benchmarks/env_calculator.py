@@ -4,9 +4,9 @@ Issue 20, item 8. One command per run (each its own process, so its peak RSS is 
 report that reads the run directories::
 
     # one arm (a few minutes on 2 shared cores); ARM: tool_mu, tool_grpo, notool_mu
-    PYTHONPATH=. OMP_NUM_THREADS=2 .venv-vllm/bin/python -m benchmarks.env_calculator run ARM --seed 1
+    PYTHONPATH=. OMP_NUM_THREADS=2 .venv-vllm/bin/python -m benchmarks env_calculator run ARM --seed 1
     # the table and the figure from the stored run directories (no training)
-    PYTHONPATH=. .venv/bin/python -m benchmarks.env_calculator report
+    PYTHONPATH=. .venv/bin/python -m benchmarks env_calculator report
 
 The task is ``examples/env_calculator.py``'s: "What is a * b + c?" with a 3-digit a, 2-digit b and
 3-digit c, which the 135M model (4-bit GGUF weights) mostly gets wrong in its head. Arms:

@@ -13,9 +13,9 @@ engine-sync gather (``full_state_items``, one full parameter at a time).
 
 Launch (one GPU or several; the script makes a one-process group itself if not under torchrun)::
 
-    python benchmarks/gpu_fsdp_check.py --out $OUT/gpu_fsdp_check.json
+    python -m benchmarks gpu_fsdp_check --out $OUT/gpu_fsdp_check.json
     torchrun --standalone --nproc_per_node 8 benchmarks/gpu_fsdp_check.py --out results.json
-    python benchmarks/gpu_fsdp_check.py --preset tiny --device cpu --out /tmp/smoke.json   # CPU smoke
+    python -m benchmarks gpu_fsdp_check --preset tiny --device cpu --out /tmp/smoke.json   # CPU smoke
 
 MFU counts model FLOPs only (no recompute): per token 6 x (non-embedding parameters) for the
 matmuls, + 6 x L x T x d for causal attention (QK^T and AV, fwd+bwd, half the T x T scores), and

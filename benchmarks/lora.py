@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning on SmolLM2-135M: seconds per optimizer update, peak memory, sync cost.
 
-    PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.lora     # ~3 min on 2 quiet cores
+    PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks lora     # ~3 min on 2 quiet cores
 
 One command runs every variant, each in a fresh subprocess (so each peak resident set is its own),
 alternating full and LoRA, and writes ``benchmarks/results/lora.json`` with the CPU capability and

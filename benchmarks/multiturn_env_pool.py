@@ -1,7 +1,7 @@
 """How much a slow environment costs the multi-turn loop: wall-clock of a stage whose environment
 steps sleep, with the step pool at 1 worker (serial) and at ``--workers``.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks.multiturn_env_pool --trajectories 32 --sleep 0.2
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks multiturn_env_pool --trajectories 32 --sleep 0.2
 
 The engine is the tiny model on the HF engine (CPU), so the generation share is small and the
 difference between the two runs is the environment time the pool overlaps. Writes

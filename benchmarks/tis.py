@@ -9,8 +9,8 @@ metrics computed afterwards over its stage-0 data with the initial model (the st
 weights, in the trainer's precision), so both runs have a whole-stage number. Results, with the
 CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md section "TIS" reads them.
 
-    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis            # both runs, then the summary
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.tis --summarize [--offline]  # re-read the run dirs
+    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks tis            # both runs, then the summary
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks tis --summarize [--offline]  # re-read the run dirs
     (``--modes engine`` / ``--modes trainer`` make one run each; a killed run resumes with
     ``mugrpo train --resume benchmarks/cache/tis/MODE``)
 

@@ -12,7 +12,7 @@ rollout settings):
 
 Run it with the vLLM environment (scripts/setup_vllm.sh):
 
-    .venv-vllm/bin/python benchmarks/vllm_engine.py
+    .venv-vllm/bin/python -m benchmarks vllm_engine
 
 It writes benchmarks/results/vllm_engine.json and the results section of docs/VLLM.md. On a
 shared CPU the absolute numbers are noisy: compare within one run, as ratios.

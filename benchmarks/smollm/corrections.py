@@ -1,11 +1,11 @@
 """SmolLM2-135M: the off-policy corrections side by side on identical stale rollouts (issue 21 part 4).
 
     # one driver per seed (each one torch thread); results rewritten after every run, finished runs skipped
-    PYTHONPATH=. OMP_NUM_THREADS=1 nohup .venv-vllm/bin/python -m benchmarks.smollm.corrections run --seeds 0 \
+    PYTHONPATH=. OMP_NUM_THREADS=1 nohup .venv-vllm/bin/python -m benchmarks smollm_corrections run --seeds 0 \
         --out benchmarks/results/smollm_corrections_s0.json > corrections_s0.log 2>&1 &
     # merge the parts, write the summary, the table and the figure (or redraw them from the committed results:
     # report benchmarks/results/smollm_corrections.json)
-    PYTHONPATH=. .venv/bin/python -m benchmarks.smollm.corrections report benchmarks/results/smollm_corrections_s*.json
+    PYTHONPATH=. .venv/bin/python -m benchmarks smollm_corrections report benchmarks/results/smollm_corrections_s*.json
 
 Setting: the long worked answers of docs/BENCHMARKS.md section 2b (:mod:`benchmarks.smollm.long_cot`:
 reasoning-gym ``basic_arithmetic`` with a step-by-step instruction and one worked demonstration, ~110-token

@@ -3,11 +3,11 @@
 Issue 13 (the SmolLM2 part). One command per experiment::
 
     # 1. the task probe: response lengths and pass@1 of the untrained model on held-out prompts
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.long_cot probe
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks smollm_long_cot probe
     # 2. the comparison: every preset x seed, one after the other, results written after each run
-    PYTHONPATH=. nohup nice -n 5 .venv-vllm/bin/python -m benchmarks.smollm.long_cot run > long_cot.log 2>&1 &
+    PYTHONPATH=. nohup nice -n 5 .venv-vllm/bin/python -m benchmarks smollm_long_cot run > long_cot.log 2>&1 &
     # 3. the table and the figure again from the stored results (no training)
-    PYTHONPATH=. .venv/bin/python -m benchmarks.smollm.long_cot report
+    PYTHONPATH=. .venv/bin/python -m benchmarks smollm_long_cot report
 
 The task: reasoning-gym ``basic_arithmetic`` (2 terms, 1 digit, + and -, the default job's
 difficulty) with a step-by-step instruction and one worked chat demonstration, so the model writes a

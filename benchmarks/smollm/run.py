@@ -2,9 +2,9 @@
 
 One command (sizes in :data:`SIZES`; every field can be overridden on the command line)::
 
-    PYTHONPATH=. python -m benchmarks.smollm.run --size smoke   # validation: a few updates, ~minutes
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.run --size default --engine vllm --bf16  # ~1.5 h
-    PYTHONPATH=. python -m benchmarks.smollm.run --size full    # the real comparison (hours on 2 cores)
+    PYTHONPATH=. python -m benchmarks smollm --size smoke   # validation: a few updates, ~minutes
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks smollm --size default --engine vllm --bf16  # ~1.5 h
+    PYTHONPATH=. python -m benchmarks smollm --size full    # the real comparison (hours on 2 cores)
 
 The three methods train the same model (the built-in offline SmolLM2-135M-Instruct) on the default
 task of mugrpo's config (reasoning-gym basic_arithmetic, 1-digit, + and -, one-shot chat prompt),

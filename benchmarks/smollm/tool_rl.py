@@ -4,14 +4,14 @@ Steps, each its own process (so each run's clock and peak memory are its own)::
 
     export PYTHONPATH=. OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     PY=.venv-vllm/bin/python
-    $PY -m benchmarks.smollm.tool_rl prepare                # demonstrations, RL rows, held-out rows
-    $PY -m benchmarks.smollm.tool_rl warmstart --steps 3    # mugrpo sft: the short warm start
-    $PY -m benchmarks.smollm.tool_rl probe                  # the warm-started model: greedy + 4 samples
-    $PY -m benchmarks.smollm.tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
-    $PY -m benchmarks.smollm.tool_rl run grpo --seed 1      # grpo, a fresh stage every update
-    $PY -m benchmarks.smollm.tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
-    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model with and without the tool
-    .venv/bin/python -m benchmarks.smollm.tool_rl report    # JSON + figure from the run directories
+    $PY -m benchmarks smollm_tool_rl prepare                # demonstrations, RL rows, held-out rows
+    $PY -m benchmarks smollm_tool_rl warmstart --steps 3    # mugrpo sft: the short warm start
+    $PY -m benchmarks smollm_tool_rl probe                  # the warm-started model: greedy + 4 samples
+    $PY -m benchmarks smollm_tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
+    $PY -m benchmarks smollm_tool_rl run grpo --seed 1      # grpo, a fresh stage every update
+    $PY -m benchmarks smollm_tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
+    $PY -m benchmarks smollm_tool_rl final mu --seed 1      # the trained model with and without the tool
+    .venv/bin/python -m benchmarks smollm_tool_rl report    # JSON + figure from the run directories
 
 **Task.** The two-call calculator task of docs/BENCHMARKS.md section 9 ("What is a * b + c * d?",
 solved as ``a * b`` then ``<that> + c * d``; :func:`mugrpo.warmstart.demos.calculator_rows`). The

@@ -1,7 +1,7 @@
 """The off-policy corrections side by side on identical stale rollouts (issue 21 part 4), in the long toy lab.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks.toy_lab.corrections --seeds 0 1 2
-    PYTHONPATH=. python -m benchmarks.toy_lab.corrections --plot      # figure + table from the results file
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks toy_lab_corrections --seeds 0 1 2
+    PYTHONPATH=. python -m benchmarks toy_lab_corrections --plot      # figure + table from the results file
 
 Setting: docs/BENCHMARKS.md section 1b (long worked chain sums, the same warm start and sizes,
 :data:`benchmarks.toy_lab.run.LONG_SIZE`): one stage of mu = 64 updates, 2 prompts x G = 8 per

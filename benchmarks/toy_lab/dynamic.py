@@ -2,8 +2,8 @@
 
 One command::
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks.toy_lab.dynamic          # 2 presets x on/off x 2 seeds
-    PYTHONPATH=. python -m benchmarks.toy_lab.dynamic --plot                      # redraw the figure
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks toy_lab_dynamic          # 2 presets x on/off x 2 seeds
+    PYTHONPATH=. python -m benchmarks toy_lab_dynamic --plot                      # redraw the figure
 
 The model is the toy lab's 1.06M-parameter character Llama (:mod:`benchmarks.toy_lab.warmstart`),
 warm-started by the same SFT but stopped earlier (``--sft-steps``, default 100 instead of 125), so

@@ -2,8 +2,8 @@
 
 One command runs everything, sequentially, in one process::
 
-    PYTHONPATH=. python -m benchmarks.toy_lab.run            # full lab (see docs/BENCHMARKS.md)
-    PYTHONPATH=. python -m benchmarks.toy_lab.run --quick    # 1 seed, 2 presets, a few updates
+    PYTHONPATH=. python -m benchmarks toy_lab            # full lab (see docs/BENCHMARKS.md)
+    PYTHONPATH=. python -m benchmarks toy_lab --quick    # 1 seed, 2 presets, a few updates
 
 Groups of runs (every run: same warm-started model, same update budget, same data budget; the
 stale ones share the same mu):

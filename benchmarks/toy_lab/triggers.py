@@ -16,7 +16,7 @@ negative-advantage responses:
 
 Nothing here slows the trainer down; it reads what the run left on disk.
 
-    PYTHONPATH=. python -m benchmarks.toy_lab.triggers [KEPT_RUN_DIR ...]
+    PYTHONPATH=. python -m benchmarks toy_lab_triggers [KEPT_RUN_DIR ...]
 
 Output: ``benchmarks/results/toy_lab_long_triggers.json`` and a markdown summary on stdout.
 """
