@@ -3,7 +3,7 @@
 One command runs everything, sequentially, in one process::
 
     PYTHONPATH=. python -m benchmarks toy_lab            # full lab (see docs/BENCHMARKS.md)
-    PYTHONPATH=. python -m benchmarks toy_lab --quick    # 1 seed, 2 presets, a few updates
+    PYTHONPATH=. python -m benchmarks toy_lab --quick    # 1 seed, 2 presets, a few updates (into benchmarks/cache/)
 
 Groups of runs (every run: same warm-started model, same update budget, same data budget; the
 stale ones share the same mu):
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
                     help="keep these runs' folders under benchmarks/cache/toy_lab/kept (long default: "
                          "mu-grpo:0 grpo-stale-relaxed:0)")
     common_arguments(ap, "toy_lab", seeds=[0, 1, 2], quick="1 seed, grpo + mu-grpo, 16 updates")
-    ap.set_defaults(out=None)  # benchmarks/results/toy_lab.json (long: toy_lab_long.json)
+    ap.set_defaults(out=None)  # benchmarks/results/toy_lab.json (long: toy_lab_long.json; --quick: benchmarks/cache/)
     ap.add_argument("--only", nargs="*", help="run only these experiment names (e.g. grpo mu-grpo)")
     ap.add_argument("--append", action="store_true",
                     help="add to the existing results file (same setting and sizes), skipping runs already in it")
@@ -289,7 +289,9 @@ def main(argv=None) -> int:
     size.max_new_tokens = size.max_new_tokens or warm["max_new_tokens"]
     exps = [e for e in experiments(groups) if not args.only or e[1] in args.only]
     work = warmstart.CACHE / "runs"
-    out_path = Path(args.out or RESULTS / ("toy_lab_long.json" if long else "toy_lab.json"))
+    default = "toy_lab_long.json" if long else "toy_lab.json"
+    # a smoke run never replaces the committed results: it writes under the git-ignored cache
+    out_path = Path(args.out or (warmstart.CACHE.parent / f"quick_{default}" if args.quick else RESULTS / default))
     result = {"benchmark": "toy_lab_long" if long else "toy_lab", "setting": args.setting, "size": asdict(size),
               "extra_overrides": args.set, "warmstart": warm, "runs": []}
     if args.append and out_path.is_file():
