@@ -3,27 +3,26 @@
 call and its result pickled), and what a timeout costs under ``process`` (the worker killed, a fresh
 one started on the next call).
 
-    PYTHONPATH=.:tests OMP_NUM_THREADS=1 python -m benchmarks.call_isolation --calls 200
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks call_isolation --calls 200
 
-Writes benchmarks/results/call_isolation.json (with torch.backends.cpu.get_cpu_capability() and the
-CPU count beside the timings). A benchmark, not a test: it asserts nothing.
+Writes benchmarks/results/call_isolation.json in the suite's schema (:mod:`benchmarks.suite`). A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the test suite's tools (guard_tools)
 
-import guard_tools
-from mugrpo.rollout.calls import CallRunner
-from mugrpo.rollout.envs.tools import _Bound
+import guard_tools  # noqa: E402
+from benchmarks.suite import common_arguments, write_result  # noqa: E402
+from mugrpo.rollout.calls import CallRunner  # noqa: E402
+from mugrpo.rollout.envs.tools import _Bound  # noqa: E402
 
 
 def per_call_s(runner: CallRunner, calls: int, batch: int, fn, args: dict) -> float:
@@ -51,11 +50,11 @@ def timeout_cost_s(repeats: int) -> dict:
     return {"timed_out_call_s": statistics.median(killed), "next_call_after_kill_s": statistics.median(next_call)}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--out", default="benchmarks/results/call_isolation.json")
-    args = parser.parse_args()
+    common_arguments(parser, "call_isolation")
+    args = parser.parse_args(argv)
     rows = []
     for isolation in ("thread", "process"):
         for batch in (1, 8):
@@ -66,12 +65,9 @@ def main() -> None:
                              "per_call_s": per_call_s(runner, args.calls, batch, fn, fn_args)})
                 print(rows[-1], flush=True)
     result = {"rows": rows, "process_timeout": timeout_cost_s(5),
-              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_count": os.cpu_count(),
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "python": platform.python_version(),
               "note": "2 shared cores, other jobs running: relative, not absolute, numbers"}
     print(result["process_timeout"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, "call_isolation", result, args, omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ Three parts, one command each; every number goes into ``benchmarks/results/effic
 part replaces its own key), with the CPU capability beside it, and ``job`` also draws
 ``benchmarks/results/efficiency_job.png``. docs/BENCHMARKS.md section 3 reads them.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.efficiency job --before f8ba031   # ~40 min on 2 cores
-    PYTHONPATH=. .venv/bin/python -m benchmarks.efficiency update RUN_DIR         # ~5 min
-    PYTHONPATH=. .venv/bin/python -m benchmarks.efficiency memory --before f8ba031 # ~5 min
+    PYTHONPATH=. .venv/bin/python -m benchmarks efficiency job --before f8ba031   # ~40 min on 2 cores
+    PYTHONPATH=. .venv/bin/python -m benchmarks efficiency update RUN_DIR         # ~5 min
+    PYTHONPATH=. .venv/bin/python -m benchmarks efficiency memory --before f8ba031 # ~5 min
 
 - ``job``: the default job end to end, as the README runs it: ``before`` in a git worktree of that
   commit (its own defaults: HF engine, bf16 autocast), then ``bash scripts/train.sh`` here (the
@@ -27,8 +27,8 @@ binds its threads to the cores and slows down many times over when another proce
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.suite import common_arguments, command, read_figures, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "efficiency.json"
 WORK = ROOT / "benchmarks" / "cache" / "efficiency"
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # Runs a command and prints its peak resident set (the largest descendant it waited for), in KiB.
@@ -225,6 +226,7 @@ def bare_loop(policy, data, updates: list[int], cfg, autocast: bool) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_arguments(ap, "efficiency")
     sub = ap.add_subparsers(dest="part", required=True)
     job = sub.add_parser("job")
     job.add_argument("--before", default="f8ba031")
@@ -237,16 +239,17 @@ def main(argv=None) -> int:
     memory = sub.add_parser("memory")
     memory.add_argument("--before", default="f8ba031")
     args = ap.parse_args(argv)
-    results = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
+    out = Path(args.out)
+    results = read_figures(out) if out.is_file() else {}
     part = {"job": part_job, "update": part_update, "memory": part_memory}[args.part](args)
     key = args.part if args.part != "update" else f"update_{args.autocast}"
-    results[key] = {**results.get(key, {}), **part, "command": " ".join(["python -m benchmarks.efficiency", *sys.argv[1:]])}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=1, default=str))
+    # each part keeps the machine and command it ran under (parts run at different times)
+    results[key] = {**results.get(key, {}), **part, "command": shlex.join(command())}
+    write_result(out, "efficiency", results, args)
     if args.part == "job":
         plot_job({k: v for k, v in results["job"].items() if k in ("before", "after", "after_hf")},
-                 RESULTS.with_name("efficiency_job.png"))
-    print(f"[efficiency] wrote {RESULTS}")
+                 out.with_name("efficiency_job.png"))
+    print(f"[efficiency] wrote {out}")
     return 0
 
 

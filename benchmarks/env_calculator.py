@@ -4,9 +4,9 @@ Issue 20, item 8. One command per run (each its own process, so its peak RSS is 
 report that reads the run directories::
 
     # one arm (a few minutes on 2 shared cores); ARM: tool_mu, tool_grpo, notool_mu
-    PYTHONPATH=. OMP_NUM_THREADS=2 .venv-vllm/bin/python -m benchmarks.env_calculator run ARM --seed 1
+    PYTHONPATH=. OMP_NUM_THREADS=2 .venv-vllm/bin/python -m benchmarks env_calculator run ARM --seed 1
     # the table and the figure from the stored run directories (no training)
-    PYTHONPATH=. .venv/bin/python -m benchmarks.env_calculator report
+    PYTHONPATH=. .venv/bin/python -m benchmarks env_calculator report
 
 The task is ``examples/env_calculator.py``'s: "What is a * b + c?" with a 3-digit a, 2-digit b and
 3-digit c, which the 135M model (4-bit GGUF weights) mostly gets wrong in its head. Arms:
@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
+import shlex
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.suite import command, common_arguments, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 WORK = ROOT / "benchmarks" / "cache" / "env_calculator"
-OUT = RESULTS / "env_calculator.json"
 
 TOOL_INSTRUCTION = "Use the calculate tool, then put your final answer within \\boxed{}."
 PLAIN_INSTRUCTION = "Put your final answer within \\boxed{}."
@@ -86,7 +86,7 @@ def run(args) -> None:
     wall = time.perf_counter() - t0
     info = {"arm": args.arm, "seed": args.seed, "wall_s": wall, "config": config,
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "command": " ".join(["python -m benchmarks.env_calculator"] + sys.argv[1:]),
+            "command": shlex.join(command()),
             "run_dir": str(result.run_dir.relative_to(ROOT) if Path(result.run_dir).is_absolute() else result.run_dir)}
     (run_dir / "bench.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
@@ -129,14 +129,9 @@ def summarize(run_dir: Path) -> dict:
 
 
 def report(args) -> None:
-    import torch
-
     runs = [summarize(d) for d in sorted(WORK.glob("*_seed*")) if (d / "metrics.jsonl").exists()]
-    out = {"machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-                       "load_avg_at_report": os.getloadavg(), "python": platform.python_version()},
-           "runs": runs}
-    OUT.write_text(json.dumps(out, indent=1))
-    print(f"wrote {OUT} ({len(runs)} runs)")
+    write_result(args.out, "env_calculator", {"runs": runs}, args)  # the machine is the report's, not the runs'
+    print(f"wrote {args.out} ({len(runs)} runs)")
     figure(runs)
 
 
@@ -187,7 +182,7 @@ def main(argv=None) -> None:
     r.add_argument("--rows", type=int, default=256)
     r.add_argument("--engine", default="vllm")
     r.add_argument("--grpo-refresh", type=int, default=1, help="grpo's updates per stage (a fresh stage every N)")
-    sub.add_parser("report")
+    common_arguments(sub.add_parser("report"), "env_calculator")
     args = p.parse_args(argv)
     run(args) if args.cmd == "run" else report(args)
 

@@ -1,6 +1,6 @@
 """Does the built-in SmolLM2 call the calculator tool before any training? (tool-call rate at step 0)
 
-    PYTHONPATH=. .venv/bin/python benchmarks/env_tool_call_rate.py [--samples 4] [--out FILE]
+    PYTHONPATH=. .venv/bin/python -m benchmarks env_tool_call_rate [--samples 4] [--out FILE]
 
 Three prompts for the same two arithmetic questions (3-digit x 2-digit + 3-digit), each sampled
 ``--samples`` times at temperature 1 through the real multi-turn loop (HF engine, fp32):
@@ -11,7 +11,8 @@ Three prompts for the same two arithmetic questions (3-digit x 2-digit + 3-digit
 - ``demonstration``: the same, after a worked demonstration conversation (call, tool response,
   boxed answer).
 
-Writes one JSON line per prompt variant: trajectories, tool calls, tool errors, end reasons,
+Writes ``benchmarks/results/env_tool_call_rate.json`` (the suite's schema; figures: one row per
+prompt variant, rewritten after each): trajectories, tool calls, tool errors, end reasons,
 correct final answers, wall time. RL needs a non-zero tool-call rate to learn tool use from.
 """
 
@@ -21,9 +22,10 @@ import argparse
 import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
+
+from benchmarks.suite import common_arguments, write_result
 
 QUESTIONS = [("What is 347 * 58 + 912?", "21038"), ("What is 615 * 23 + 487?", "14632")]
 INSTRUCTION = "Use the calculate tool, then put your final answer within \\boxed{}."
@@ -73,7 +75,7 @@ def run_variant(name: str, engine, tok, samples: int) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--out", default="benchmarks/results/env_tool_call_rate.jsonl")
+    common_arguments(p, "env_tool_call_rate")
     args = p.parse_args(argv)
     from mugrpo.config import RolloutConfig
     from mugrpo.models.loading import load_tokenizer, resolve_model_path
@@ -82,13 +84,12 @@ def main(argv=None) -> None:
     path = resolve_model_path("smollm2-135m-instruct")
     tok = load_tokenizer(path)
     engine = HFEngine(path, tok, RolloutConfig(batch_size=16, dtype="float32"))
-    meta = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
-    with open(args.out, "w") as fh:
-        for name in ("protocol", "example_call", "demonstration"):
-            row = {**run_variant(name, engine, tok, args.samples), **meta}
-            print(json.dumps(row))
-            fh.write(json.dumps(row) + "\n")
-            fh.flush()
+    rows, names = [], ("protocol", "example_call", "demonstration")
+    for name in names:
+        rows.append(run_variant(name, engine, tok, args.samples))
+        print(json.dumps(rows[-1]))
+        write_result(args.out, "env_tool_call_rate", {"rows": rows}, args, finished=len(rows) == len(names),
+                     threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ engine-sync gather (``full_state_items``, one full parameter at a time).
 
 Launch (one GPU or several; the script makes a one-process group itself if not under torchrun)::
 
-    python benchmarks/gpu_fsdp_check.py --out $OUT/gpu_fsdp_check.json
+    python -m benchmarks gpu_fsdp_check --out $OUT/gpu_fsdp_check.json
     torchrun --standalone --nproc_per_node 8 benchmarks/gpu_fsdp_check.py --out results.json
-    python benchmarks/gpu_fsdp_check.py --preset tiny --device cpu --out /tmp/smoke.json   # CPU smoke
+    python -m benchmarks gpu_fsdp_check --preset tiny --device cpu --out /tmp/smoke.json   # CPU smoke
 
 MFU counts model FLOPs only (no recompute): per token 6 x (non-embedding parameters) for the
 matmuls, + 6 x L x T x d for causal attention (QK^T and AV, fwd+bwd, half the T x T scores), and
@@ -39,8 +39,9 @@ import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.suite import common_arguments, write_result  # noqa: E402
 from mugrpo.kit import distributed as dist  # noqa: E402
-from mugrpo.stages import shards
+from mugrpo.stages import shards  # noqa: E402
 from mugrpo.config import load_config  # noqa: E402
 from mugrpo.stages.data import StageData
 from mugrpo.config.plan import make_plan  # noqa: E402
@@ -62,7 +63,7 @@ VARIANTS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON file for the results")
+    common_arguments(p, "gpu_fsdp_check")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen2-0.5b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {list(VARIANTS)}")
@@ -188,11 +189,10 @@ def run_variant(name: str, overrides: dict, args, world: dist.World) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = init_group(args.device)
-    results = {"status": "ran", "preset": args.preset, "device": args.device, "torch": torch.__version__,
-               "args": vars(args), "variants": []}
-    if args.device == "cuda":
-        results["gpu"] = torch.cuda.get_device_name()
-    for name in args.variants.split(","):
+    results = {"status": "ran", "preset": args.preset, "device": args.device, "variants": []}
+    gpu = {"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}
+    names = args.variants.split(",")
+    for name in names:
         t0 = time.perf_counter()
         try:
             result = run_variant(name, VARIANTS[name], args, world)
@@ -202,8 +202,8 @@ def main(argv=None) -> int:
         results["variants"].append(result)
         if world.is_main:
             print(json.dumps({k: v for k, v in result.items() if k != "traceback"}), flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
+            write_result(args.out, "gpu_fsdp_check", results, args, finished=len(results["variants"]) == len(names),
+                         world_size=world.size, **gpu)
     tdist.destroy_process_group()
     return 0
 

@@ -1,6 +1,6 @@
 """LoRA against full fine-tuning on SmolLM2-135M: seconds per optimizer update, peak memory, sync cost.
 
-    PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks.lora     # ~3 min on 2 quiet cores
+    PYTHONPATH=. OMP_NUM_THREADS=2 .venv/bin/python -m benchmarks lora     # ~3 min on 2 quiet cores
 
 One command runs every variant, each in a fresh subprocess (so each peak resident set is its own),
 alternating full and LoRA, and writes ``benchmarks/results/lora.json`` with the CPU capability and
@@ -30,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.suite import common_arguments, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "lora.json"
 VARIANTS = {"full": [], "lora_r16": ["lora.rank=16", "lora.alpha=32"]}
 
 
@@ -102,28 +103,20 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     }
 
 
-def machine() -> dict:
-    from mugrpo.hardware import detect
-
-    hw = detect()
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": hw.native_bf16,
-            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "loadavg_start": os.getloadavg()}
-
-
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4, help="prompts per update (x G = 8 responses)")
     p.add_argument("--autocast", default="none,bf16", help="comma list of train.autocast values")
     p.add_argument("--variant-json", help=argparse.SUPPRESS)  # internal: run one variant, print its JSON
-    args = p.parse_args()
+    common_arguments(p, "lora")
+    args = p.parse_args(argv)
     if args.variant_json:
         print("RESULT " + json.dumps(one_variant(json.loads(args.variant_json), args.updates, args.prompts)), flush=True)
         return
-    out = {"machine": machine(), "what": f"SmolLM2-135M-Instruct, mu-grpo loss, {args.prompts * 8} sequences per "
+    out = {"what": f"SmolLM2-135M-Instruct, mu-grpo loss, {args.prompts * 8} sequences per "
            f"update ({args.prompts} prompts of 96 tokens x 8 responses of 16-48 tokens, synthetic), AdamW, CPU",
-           "command": " ".join(sys.argv), "runs": {}}
+           "runs": {}}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for autocast in args.autocast.split(","):
         for name, overrides in VARIANTS.items():
@@ -144,11 +137,11 @@ def main() -> None:
             "training_rss_delta_lora_over_full": (lora["peak_rss_gb"] - lora["rss_after_load_gb"])
             / (full["peak_rss_gb"] - full["rss_after_load_gb"]),
         }
-    out["machine"]["loadavg_end"] = os.getloadavg()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1))
+    from mugrpo.hardware import detect
+
+    write_result(args.out, "lora", out, args, native_bf16=detect().native_bf16, threads=torch.get_num_threads())
     print(json.dumps({k: v for k, v in out.items() if k.startswith("ratios")}, indent=1))
-    print(f"[lora] written {RESULTS}")
+    print(f"[lora] written {args.out}")
 
 
 if __name__ == "__main__":

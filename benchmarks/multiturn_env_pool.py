@@ -1,11 +1,11 @@
 """How much a slow environment costs the multi-turn loop: wall-clock of a stage whose environment
 steps sleep, with the step pool at 1 worker (serial) and at ``--workers``.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks.multiturn_env_pool --trajectories 32 --sleep 0.2
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks multiturn_env_pool --trajectories 32 --sleep 0.2
 
 The engine is the tiny model on the HF engine (CPU), so the generation share is small and the
-difference between the two runs is the environment time the pool overlaps. Writes a JSON line to
-benchmarks/results/multiturn_env_pool.jsonl. A benchmark, not a test: it asserts nothing.
+difference between the two runs is the environment time the pool overlaps. Writes
+benchmarks/results/multiturn_env_pool.json (the suite's schema). A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+from benchmarks.suite import common_arguments, write_result
 from mugrpo.config import RolloutConfig
 from mugrpo.models.loading import load_tokenizer
 from mugrpo.models.tiny import build_tiny_model
@@ -51,28 +50,25 @@ def stage(engine, tok, prompts, G, seconds, workers):
     return time.perf_counter() - t0, loop_metrics(trajs)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trajectories", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--sleep", type=float, default=0.2)
     parser.add_argument("--workers", type=int, default=16)
-    args = parser.parse_args()
+    common_arguments(parser, "multiturn_env_pool")
+    args = parser.parse_args(argv)
     model = build_tiny_model(Path(tempfile.mkdtemp()) / "model")
     tok = load_tokenizer(str(model))
     engine = HFEngine(str(model), tok, RolloutConfig(batch_size=256, dtype="float32"))
     prompts = [tok(f"u:{i} + 1\na:")["input_ids"] for i in range(args.trajectories // args.group_size)]
-    result = {"trajectories": args.trajectories, "sleep_s": args.sleep,
-              "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    result = {"trajectories": args.trajectories, "sleep_s": args.sleep}
     for workers in (1, args.workers):
         seconds, metrics = stage(engine, tok, prompts, args.group_size, args.sleep, workers)
         result[f"stage_s_workers_{workers}"] = round(seconds, 3)
         result["env_steps"] = metrics["env/turns_mean"] * args.trajectories
     print(json.dumps(result))
-    out = Path(__file__).parent / "results" / "multiturn_env_pool.jsonl"
-    out.parent.mkdir(exist_ok=True)
-    with out.open("a") as fh:
-        fh.write(json.dumps(result) + "\n")
+    write_result(args.out, "multiturn_env_pool", result, args)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ exit. For scale it also runs the same stage uninterrupted and reports its genera
 (``perf/generate_s``): without the per-decode-step check a stop had to wait for the whole call.
 Writes ``benchmarks/results/stop_latency.json``; never asserts on time.
 
-    PYTHONPATH=. python benchmarks/stop_latency.py [--max-new-tokens 256] [--delay-s 3]
+    PYTHONPATH=. python -m benchmarks stop_latency [--max-new-tokens 256] [--delay-s 3]
 
 ``--default-job`` measures the README's default job instead (``mugrpo train`` with no overrides:
 SmolLM2-135M-Instruct, vLLM when installed), twice: a SIGTERM during its starting evaluation
@@ -15,7 +15,7 @@ SmolLM2-135M-Instruct, vLLM when installed), twice: a SIGTERM during its startin
 after the starting evaluation's record is written). Run it with ``.venv-vllm/bin/python``; writes
 ``benchmarks/results/stop_latency_default.json``.
 
-    PYTHONPATH=. .venv-vllm/bin/python benchmarks/stop_latency.py --default-job
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks stop_latency --default-job
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.suite import common_arguments, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -109,30 +111,27 @@ def _default_job_stop(run_dir: Path, phase: str, delay_s: float) -> dict:
 
 
 def default_job(args) -> None:
-    import torch
-
     runs = []
     for phase, delay in (("eval", args.eval_delay_s), ("generate", args.delay_s)):
         with tempfile.TemporaryDirectory() as tmp:
             runs.append(_default_job_stop(Path(tmp) / "run", phase, delay))
             print(json.dumps(runs[-1], indent=1), flush=True)
-    result = {"job": "the default job (mugrpo train, no overrides)", "cpu_capability":
-              torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(), "load_avg": os.getloadavg(),
-              "runs": runs}
-    out = Path(args.out or ROOT / "benchmarks" / "results" / "stop_latency_default.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    result = {"job": "the default job (mugrpo train, no overrides)", "runs": runs}
+    out = write_result(args.out or ROOT / "benchmarks" / "results" / "stop_latency_default.json", "stop_latency",
+                       result, args)
     print(f"wrote {out}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--delay-s", type=float, default=3.0)
-    p.add_argument("--out", default=None)
+    common_arguments(p, "stop_latency")
+    p.set_defaults(out=None)  # stop_latency.json, or stop_latency_default.json with --default-job
     p.add_argument("--default-job", action="store_true", help="the default job (SmolLM2, vLLM) instead")
     p.add_argument("--eval-delay-s", type=float, default=40.0,
                    help="--default-job: seconds after the plan to signal, inside the starting evaluation")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.default_job:
         return default_job(args)
     args.out = args.out or str(ROOT / "benchmarks" / "results" / "stop_latency.json")
@@ -147,7 +146,7 @@ def main() -> None:
               "max_new_tokens": args.max_new_tokens, "sigterm_to_exit_s": round(stopped["stop_s"], 2),
               "exit_code": stopped["returncode"], "stage_written": stopped["stage_written"],
               "signal_after_plan_s": args.delay_s, "uninterrupted_stage_generate_s": round(full_s, 2)}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, "stop_latency", result, args)
     print(json.dumps(result, indent=1))
 
 

@@ -9,8 +9,8 @@ metrics computed afterwards over its stage-0 data with the initial model (the st
 weights, in the trainer's precision), so both runs have a whole-stage number. Results, with the
 CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md section "TIS" reads them.
 
-    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis            # both runs, then the summary
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.tis --summarize [--offline]  # re-read the run dirs
+    PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks tis            # both runs, then the summary
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks tis --summarize [--offline]  # re-read the run dirs
     (``--modes engine`` / ``--modes trainer`` make one run each; a killed run resumes with
     ``mugrpo train --resume benchmarks/cache/tis/MODE``)
 
@@ -36,8 +36,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.suite import common_arguments, read_figures, write_result
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "tis.json"
 WORK = ROOT / "benchmarks" / "cache" / "tis"
 SHORT = ["rollout.engine=vllm", "rollout.dtype=bfloat16", "schedule.total_updates=8", "schedule.num_stages=2",
          "eval.every_stages=0", "eval.at_start=false", "train.save_final_model=false", "train.progress=false"]
@@ -141,13 +142,9 @@ def stored_mismatch(run_dir: Path) -> dict:
 
 
 def summarize(seconds: dict) -> dict:
-    from mugrpo.hardware import detect
     from mugrpo.observability.loggers import read_metrics
 
-    hw = detect()
-    out = {"machine": {"cpu_capability": hw.cpu_capability, "native_bf16": hw.native_bf16, "cpus": os.cpu_count(),
-                       "torch": torch.__version__, "loadavg": os.getloadavg()},
-           "command": "PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks.tis", "overrides": SHORT, "runs": {}}
+    out = {"overrides": SHORT, "runs": {}}
     for mode in MODES:
         records = read_metrics(WORK / mode / "metrics.jsonl")
         stages = {}
@@ -170,15 +167,16 @@ def offline(previous: dict) -> dict:
     return out
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_arguments(parser, "tis")
     parser.add_argument("--summarize", action="store_true", help="only re-read the two finished run dirs")
     parser.add_argument("--offline", action="store_true", help="with --summarize: also (re)compute the offline "
                         "analyses (engine stage-0 recompute, layout sensitivity); otherwise kept from tis.json")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="which runs to make (then --summarize once both are done)")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     seconds = {}
     if not args.summarize:
         for mode in args.modes:
@@ -186,10 +184,12 @@ def main() -> None:
         if set(args.modes) != set(MODES):
             return
     result = summarize(seconds)
-    previous = json.loads(RESULTS.read_text()).get("offline", {}) if RESULTS.is_file() else {}
+    out = Path(args.out)
+    previous = read_figures(out).get("offline", {}) if out.is_file() else {}
     result["offline"] = offline(previous) if args.offline or not args.summarize else previous
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    from mugrpo.hardware import detect
+
+    write_result(out, "tis", result, args, native_bf16=detect().native_bf16)
     print(json.dumps(result, indent=1))
 
 

@@ -12,7 +12,7 @@ rollout settings):
 
 Run it with the vLLM environment (scripts/setup_vllm.sh):
 
-    .venv-vllm/bin/python benchmarks/vllm_engine.py
+    .venv-vllm/bin/python -m benchmarks vllm_engine
 
 It writes benchmarks/results/vllm_engine.json and the results section of docs/VLLM.md. On a
 shared CPU the absolute numbers are noisy: compare within one run, as ratios.
@@ -21,7 +21,6 @@ shared CPU the absolute numbers are noisy: compare within one run, as ratios.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from benchmarks.suite import common_arguments, write_result  # noqa: E402
 from mugrpo.config import Config  # noqa: E402
 from mugrpo.rollout.engines.base import SamplingConfig  # noqa: E402
 from mugrpo.models.loading import load_policy, load_tokenizer, resolve_model_path  # noqa: E402
@@ -172,8 +172,10 @@ def bench_raw_defaults(vllm, cfg, path, sizes, prompts, raw_params) -> dict:
     return {"startup_s": startup, "throughput": rows}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_arguments(parser, "vllm_engine")
+    parser.set_defaults(out=None)  # benchmarks/results/vllm_engine{--tag}.json
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], help="sequences per generate call")
     parser.add_argument("--repeats", type=int, nargs="+", default=[3, 3, 1],
                         help="alternating raw/mugrpo repetitions per size (the last value repeats)")
@@ -189,7 +191,7 @@ def main() -> None:
                         help="sizes for the separate vLLM-defaults engine (default: --sizes; none: skip it)")
     parser.add_argument("--job-prompts", type=int, default=None,
                         help="prompts of the default job's stage for the HF-vs-vLLM comparison (default: all)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # vLLM then keeps torch at this count
         torch.set_num_threads(args.threads)
@@ -200,7 +202,7 @@ def main() -> None:
     cfg, path, tokenizer, prompts, sampling = default_job(max(job_prompts, max(args.sizes) // G), args.dtype)
     if args.threads:  # the subprocess engine core binds its own threads
         cfg.rollout.vllm.cpu_threads_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))[:args.threads]))
-    results: dict = {"model": cfg.model.name, "dtype": cfg.rollout.dtype, "group_size": G, "argv": sys.argv[1:],
+    results: dict = {"model": cfg.model.name, "dtype": cfg.rollout.dtype, "group_size": G, "argv": sys.argv[1:] if argv is None else argv,
                      "max_new_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                      "cpu_count": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                      "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -246,11 +248,11 @@ def main() -> None:
         results["raw_defaults"] = bench_raw_defaults(vllm, cfg, path, raw_sizes, prompts, raw_params)
     results["load_average_end"] = os.getloadavg()[0]
 
-    out = RESULTS.with_name(f"vllm_engine{args.tag}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    # the figures keep the machine facts write_doc prints beside the table
+    out = write_result(args.out or RESULTS.with_name(f"vllm_engine{args.tag}.json"), "vllm_engine", results, args,
+                       indent=2)
     write_doc(results, args.tag)
-    print(f"[bench] wrote {out.relative_to(ROOT)} and {DOC.relative_to(ROOT)}")
+    print(f"[bench] wrote {out} and {DOC.relative_to(ROOT)}")
 
 
 def write_doc(res: dict, tag: str = "") -> None:
@@ -261,7 +263,7 @@ def write_doc(res: dict, tag: str = "") -> None:
              f"{res['cpu_count']} CPU cores, "
              f"{res['model']} in {res['dtype']}, n = {res['group_size']} samples per prompt, temperature "
              f"{res['temperature']:g}, up to {res['max_new_tokens']} new tokens (natural stop). Command: "
-             f"`.venv-vllm/bin/python benchmarks/vllm_engine.py {' '.join(res['argv'])}`. Load average (1 min) at start / end: "
+             f"`.venv-vllm/bin/python -m benchmarks vllm_engine {' '.join(res['argv'])}`. Load average (1 min) at start / end: "
              f"{res['load_average_start']:.1f} / {res['load_average_end']:.1f} (the machine is shared).", "",
              "Best of the alternated runs per size (all runs are in the JSON file).", "",
              "| sequences | raw `LLM.generate` tok/s | mugrpo `VLLMEngine.generate` tok/s | mugrpo / raw "

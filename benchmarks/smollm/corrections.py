@@ -1,11 +1,11 @@
 """SmolLM2-135M: the off-policy corrections side by side on identical stale rollouts (issue 21 part 4).
 
     # one driver per seed (each one torch thread); results rewritten after every run, finished runs skipped
-    PYTHONPATH=. OMP_NUM_THREADS=1 nohup .venv-vllm/bin/python -m benchmarks.smollm.corrections run --seeds 0 \
+    PYTHONPATH=. OMP_NUM_THREADS=1 nohup .venv-vllm/bin/python -m benchmarks smollm_corrections run --seeds 0 \
         --out benchmarks/results/smollm_corrections_s0.json > corrections_s0.log 2>&1 &
     # merge the parts, write the summary, the table and the figure (or redraw them from the committed results:
     # report benchmarks/results/smollm_corrections.json)
-    PYTHONPATH=. .venv/bin/python -m benchmarks.smollm.corrections report benchmarks/results/smollm_corrections_s*.json
+    PYTHONPATH=. .venv/bin/python -m benchmarks smollm_corrections report benchmarks/results/smollm_corrections_s*.json
 
 Setting: the long worked answers of docs/BENCHMARKS.md section 2b (:mod:`benchmarks.smollm.long_cot`:
 reasoning-gym ``basic_arithmetic`` with a step-by-step instruction and one worked demonstration, ~110-token
@@ -30,20 +30,18 @@ assert on time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shlex
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.corrections_grid import METHODS as GRID, SOURCE
 from benchmarks.smollm.long_cot import ROOT, RESULTS, Sizing, position_bins, run_overrides, summarize_run
+from benchmarks.suite import common_arguments, read_figures, read_result, write_result
 
 WORK = ROOT / "benchmarks" / "cache" / "smollm_corrections"
 OUT = RESULTS / "smollm_corrections.json"
@@ -143,19 +141,12 @@ def summarise(result: dict) -> dict:
 
 
 def run(args) -> dict:
-    import torch
-
     z = replace(Sizing(), eval_items=args.eval_items, eval_every=Sizing().updates, threads=args.threads,
                 seeds=tuple(args.seeds))
     out = Path(args.out)
-    result = json.loads(out.read_text()) if out.is_file() else {"runs": {}}
+    result = read_figures(out) if out.is_file() else {"runs": {}}
     result.update({"benchmark": "smollm_corrections", "sizing": asdict(z), "lrs": list(args.lrs),
-                   "methods": {k: {"preset": p, "overrides": o} for k, (p, o) in METHODS.items()},
-                   "command": "PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.corrections "
-                              + shlex.join(sys.argv[1:]),
-                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                               "torch": torch.__version__, "loadavg_start": os.getloadavg()}})
+                   "methods": {k: {"preset": p, "overrides": o} for k, (p, o) in METHODS.items()}})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     names = [SOURCE] + [m for m in METHODS if m != SOURCE and (not args.only or m in args.only)]
     for seed in z.seeds:
@@ -184,11 +175,11 @@ def run(args) -> dict:
                         u.update({k: rec.get(k) for k in EXTRA_KEYS})
                     entry["complete"] = rc == 0 and entry["totals"]["num_updates"] == z.updates
                 result["runs"][key] = entry
-                result["machine"]["loadavg_end"] = os.getloadavg()
                 result["summary"] = summarise(result)
-                out.write_text(json.dumps(result, indent=1))
+                write_result(out, "smollm_corrections", result, args, finished=False)
                 final = next((e["greedy_acc"] for e in entry.get("evals", []) if e["update"] == z.updates), None)
                 print(f"[corrections] {key}: rc {rc}, {entry['wall_s']:.0f} s, final greedy acc {final}", flush=True)
+    write_result(out, "smollm_corrections", result, args)
     return result
 
 
@@ -260,7 +251,7 @@ def plot(result: dict, path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
-    cap = result["machine"]["cpu_capability"]
+    cap = "/".join(sorted({str(d["machine"]["cpu_capability"]) for d in result["drivers"]}))
     fig.suptitle(f"SmolLM2-135M, long worked answers, one stage of mu = {result['sizing']['stale_mu']} replayed "
                  f"identically per seed ({len({r['seed'] for r in result['runs'].values()})} seeds), CPU {cap}",
                  fontsize=9)
@@ -270,15 +261,27 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+def drivers(part: dict) -> list[dict]:
+    """The command, machine and commit of each driver behind a results file in the schema. A merged
+    file may be a part again (the committed results are redrawn from themselves); one from before the
+    schema listed its drivers' commands and machines side by side."""
+    figures = part["figures"]
+    if "drivers" in figures:
+        return figures["drivers"]
+    if "machines" in figures:
+        return [{"command": c, "machine": m, "commit": part["commit"]}
+                for c, m in zip(figures["commands"], figures["machines"])]
+    return [{"command": part["command"], "machine": part["machine"], "commit": part["commit"]}]
+
+
 def report(args) -> dict:
-    parts = [json.loads(Path(p).read_text()) for p in args.parts]
-    result = {**parts[0], "runs": {k: v for p in parts for k, v in p["runs"].items()},
-              # a merged file may be a part again (the committed results are redrawn from themselves)
-              "commands": [c for p in parts for c in p.get("commands", [p["command"]])],
-              "machines": [m for p in parts for m in p.get("machines", [p["machine"]])]}
+    parts = [read_result(p) for p in args.parts]
+    result = {k: v for k, v in parts[0]["figures"].items() if k not in ("commands", "machines", "command", "machine")}
+    result["runs"] = {k: v for p in parts for k, v in p["figures"]["runs"].items()}
+    result["drivers"] = [d for p in parts for d in drivers(p)]
     result["sizing"]["seeds"] = sorted({r["seed"] for r in result["runs"].values()})
     result["summary"] = summarise(result)
-    OUT.write_text(json.dumps(result, indent=1))
+    write_result(OUT, "smollm_corrections", result, args)
     print(f"[corrections] wrote {OUT} and {plot(result, OUT.with_suffix('.png'))}")
     print(table(result))
     return result
@@ -288,12 +291,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
     r = sub.add_parser("run", help="the source, then every method replaying it, per seed and lr")
-    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    common_arguments(r, "smollm_corrections", seeds=[0, 1])
     r.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     r.add_argument("--only", nargs="*", help=f"methods to run (of {', '.join(METHODS)}); the source always runs")
     r.add_argument("--eval-items", type=int, default=64)
     r.add_argument("--threads", type=int, default=1)
-    r.add_argument("--out", default=str(OUT))
     rep = sub.add_parser("report", help="merge results files (one per driver); summary, table, figure")
     rep.add_argument("parts", nargs="+")
     args = ap.parse_args(argv)

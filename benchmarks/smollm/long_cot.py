@@ -3,11 +3,11 @@
 Issue 13 (the SmolLM2 part). One command per experiment::
 
     # 1. the task probe: response lengths and pass@1 of the untrained model on held-out prompts
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.long_cot probe
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks smollm_long_cot probe
     # 2. the comparison: every preset x seed, one after the other, results written after each run
-    PYTHONPATH=. nohup nice -n 5 .venv-vllm/bin/python -m benchmarks.smollm.long_cot run > long_cot.log 2>&1 &
+    PYTHONPATH=. nohup nice -n 5 .venv-vllm/bin/python -m benchmarks smollm_long_cot run > long_cot.log 2>&1 &
     # 3. the table and the figure again from the stored results (no training)
-    PYTHONPATH=. .venv/bin/python -m benchmarks.smollm.long_cot report
+    PYTHONPATH=. .venv/bin/python -m benchmarks smollm_long_cot report
 
 The task: reasoning-gym ``basic_arithmetic`` (2 terms, 1 digit, + and -, the default job's
 difficulty) with a step-by-step instruction and one worked chat demonstration, so the model writes a
@@ -31,17 +31,15 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.suite import RESULTS, ROOT, common_arguments, machine, read_figures, read_result, write_result
+
 WORK = ROOT / "benchmarks" / "cache" / "smollm_long_cot"
 OUT = RESULTS / "smollm_long_cot.json"
 
@@ -146,8 +144,6 @@ def probe(args) -> dict:
     per_item = scores.view(len(items), args.n)
     lengths = sorted(len(c.token_ids) for c in flat)
     result = {
-        "command": "PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.long_cot " + shlex.join(sys.argv[1:]),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(), "loadavg": os.getloadavg(),
         "task_params": TASK_PARAMS, "temperature": args.temperature, "num_prompts": len(items),
         "samples_per_prompt": args.n,
         "prompt_tokens": len(prompts[0]), "pass1": float(scores.mean()),
@@ -159,8 +155,8 @@ def probe(args) -> dict:
         "generate_s": seconds, "generate_tok_s": sum(lengths) / seconds,
         "example": texts[0],
     }
-    out = RESULTS / f"smollm_long_cot_probe_T{args.temperature:g}.json"
-    out.write_text(json.dumps(result, indent=1))
+    write_result(args.out or RESULTS / f"smollm_long_cot_probe_T{args.temperature:g}.json", "smollm_long_cot",
+                 result, args)
     print(json.dumps({k: v for k, v in result.items() if k != "example"}, indent=1))
     print(result["example"])
     return result
@@ -226,20 +222,13 @@ def summarize_run(run_dir: Path) -> dict:
 
 
 def run(args) -> dict:
-    import torch
-
     z = Sizing(updates=args.updates, stale_mu=args.stale_mu, prompts_per_update=args.prompts_per_update,
                group_size=args.group_size, passes=args.passes, max_new_tokens=args.max_new_tokens, lr=args.lr,
                temperature=args.temperature,
                eval_items=args.eval_items, eval_every=args.eval_every, threads=args.threads, seeds=tuple(args.seeds))
     out = Path(args.out)
-    result = json.loads(out.read_text()) if args.keep and out.is_file() else {}
+    result = read_figures(out) if args.keep and out.is_file() else {}
     result.update({"benchmark": "smollm_long_cot", "sizing": asdict(z),
-                   "command": "PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.long_cot "
-                              + shlex.join(sys.argv[1:]),
-                   "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                               "torch": torch.__version__, "loadavg_start": os.getloadavg()},
                    "task": {"params": TASK_PARAMS, "instruction": INSTRUCTION, "few_shot": FEW_SHOT}})
     result.setdefault("runs", {})
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -267,12 +256,12 @@ def run(args) -> dict:
                 entry["complete"] = rc == 0 and entry["totals"]["num_updates"] == z.updates
             result["runs"][name] = entry
             first = first and not entry.get("evals")
-            result["machine"]["loadavg_end"] = os.getloadavg()
             result["summary"] = summarize(result)
-            out.write_text(json.dumps(result, indent=1))
+            write_result(out, "smollm_long_cot", result, args, finished=False)
             print(f"[long_cot] {name}: rc {rc}, {wall:.0f} s; {json.dumps(result['summary'].get(name, {}))}",
                   flush=True)
-    plot(result, out.with_suffix(".png"))
+    write_result(out, "smollm_long_cot", result, args)
+    plot(result, out.with_suffix(".png"), read_result(out)["machine"]["cpu_capability"])
     return result
 
 
@@ -342,7 +331,7 @@ def summarize(result: dict) -> dict:
     return out
 
 
-def plot(result: dict, path: Path) -> None:
+def plot(result: dict, path: Path, cap: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -377,7 +366,6 @@ def plot(result: dict, path: Path) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    cap = result["machine"]["cpu_capability"]
     z = result["sizing"]
     fig.suptitle(f"SmolLM2-135M, long worked answers: {z['updates']} updates x {z['prompts_per_update']}x"
                  f"{z['group_size']} seqs, stale mu = {z['stale_mu']}, lr {z['lr']:g}, CPU {cap}", fontsize=9)
@@ -387,19 +375,18 @@ def plot(result: dict, path: Path) -> None:
 
 
 def report(args) -> dict:
-    parts = [json.loads(Path(p).read_text()) for p in args.parts if Path(p).is_file()]
+    parts = [read_result(p) for p in args.parts if Path(p).is_file()]
     if not parts:  # no driver finished a run: everything comes from the run directories
-        import torch
-
-        parts = [{"benchmark": "smollm_long_cot", "sizing": asdict(Sizing()), "command": None, "runs": {},
-                  "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__},
-                  "task": {"params": TASK_PARAMS, "instruction": INSTRUCTION, "few_shot": FEW_SHOT}}]
-    result = parts[0]
+        parts = [{"figures": {"benchmark": "smollm_long_cot", "sizing": asdict(Sizing()), "runs": {},
+                              "task": {"params": TASK_PARAMS, "instruction": INSTRUCTION, "few_shot": FEW_SHOT}},
+                  "command": None, "machine": machine()}]
+    result = parts[0]["figures"]
+    cap = parts[0]["machine"]["cpu_capability"]  # the drivers' machine (the report's own is in its envelope)
     for part in parts[1:]:  # several drivers (e.g. one per seed): their runs side by side
-        result["runs"].update(part["runs"])
-        result["sizing"]["seeds"] = sorted(set(result["sizing"]["seeds"]) | set(part["sizing"]["seeds"]))
-        result.setdefault("commands", [result["command"]]).append(part["command"])
+        result["runs"].update(part["figures"]["runs"])
+        result["sizing"]["seeds"] = sorted(set(result["sizing"]["seeds"]) | set(part["figures"]["sizing"]["seeds"]))
+    if len(parts) > 1:
+        result["driver_commands"] = [p["command"] for p in parts]
     z = Sizing(**{**result["sizing"], "seeds": tuple(result["sizing"]["seeds"])})
     for run_dir in sorted(WORK.glob("*-seed*/metrics.jsonl")):  # runs whose driver was stopped before they ended
         preset, seed = run_dir.parent.name.rsplit("-seed", 1)
@@ -415,8 +402,8 @@ def report(args) -> dict:
             if entry["returncode"] is None:
                 entry["complete"] = entry["totals"]["num_updates"] == z.updates
     result["summary"] = summarize(result)
-    OUT.write_text(json.dumps(result, indent=1))
-    plot(result, OUT.with_suffix(".png"))
+    write_result(OUT, "smollm_long_cot", result, args)
+    plot(result, OUT.with_suffix(".png"), cap)
     print(json.dumps(result["summary"], indent=1))
     return result
 
@@ -429,14 +416,15 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=4, help="samples per item")
     p.add_argument("--max-new-tokens", type=int, default=Sizing.max_new_tokens)
     p.add_argument("--temperature", type=float, default=Sizing.temperature)
+    common_arguments(p, "smollm_long_cot")
+    p.set_defaults(out=None)  # benchmarks/results/smollm_long_cot_probe_T<temperature>.json
     r = sub.add_parser("run", help="every preset x seed, results written after each run")
     for f, v in asdict(Sizing()).items():
         if f != "seeds":
             r.add_argument(f"--{f.replace('_', '-')}", type=type(v), default=v)
-    r.add_argument("--seeds", type=int, nargs="+", default=list(Sizing().seeds))
+    common_arguments(r, "smollm_long_cot", seeds=list(Sizing().seeds))
     r.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
     r.add_argument("--keep", action="store_true", help="keep the complete runs already in the results JSON")
-    r.add_argument("--out", default=str(OUT), help="results JSON, rewritten after every run")
     rep = sub.add_parser("report", help="summary and figure again from the stored results (and the run directories)")
     rep.add_argument("parts", nargs="*", default=[str(OUT)],
                      help="results JSONs to merge (e.g. one per seed), into benchmarks/results/smollm_long_cot.json")

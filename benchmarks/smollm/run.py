@@ -2,9 +2,9 @@
 
 One command (sizes in :data:`SIZES`; every field can be overridden on the command line)::
 
-    PYTHONPATH=. python -m benchmarks.smollm.run --size smoke   # validation: a few updates, ~minutes
-    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks.smollm.run --size default --engine vllm --bf16  # ~1.5 h
-    PYTHONPATH=. python -m benchmarks.smollm.run --size full    # the real comparison (hours on 2 cores)
+    PYTHONPATH=. python -m benchmarks smollm --size smoke   # validation: a few updates, ~minutes
+    PYTHONPATH=. .venv-vllm/bin/python -m benchmarks smollm --size default --engine vllm --bf16  # ~1.5 h
+    PYTHONPATH=. python -m benchmarks smollm --size full    # the real comparison (hours on 2 cores)
 
 The three methods train the same model (the built-in offline SmolLM2-135M-Instruct) on the default
 task of mugrpo's config (reasoning-gym basic_arithmetic, 1-digit, + and -, one-shot chat prompt),
@@ -30,15 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks.suite import common_arguments, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -260,18 +260,15 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
-    ap.add_argument("--out", help="results JSON (default benchmarks/results/smollm_<size>.json)")
+    common_arguments(ap, "smollm")
+    ap.set_defaults(out=None)  # benchmarks/results/smollm_<size>.json
     args = ap.parse_args(argv)
     size = SIZES[args.size]
     size = Size(**{f: getattr(args, f) if getattr(args, f) is not None else v for f, v in asdict(size).items()})
     torch.set_num_threads(args.threads)
     out = Path(args.out or RESULTS / f"smollm_{args.size}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"benchmark": "smollm", "size_name": args.size, "size": asdict(size), "engine": args.engine,
-              "bf16": args.bf16, "seed": args.seed, "command": " ".join(sys.argv),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
-                          "torch": torch.__version__, "loadavg_start": os.getloadavg()},
-              "runs": {}}
+              "bf16": args.bf16, "seed": args.seed, "runs": {}}
     for method in args.methods:
         print(f"[smollm] {method} ...", flush=True)
         t0 = time.perf_counter()
@@ -284,8 +281,8 @@ def main(argv=None) -> int:
         else:
             print(f"[smollm] {method}: {run.get('skipped')}", flush=True)
         result["comparison"] = compare(result["runs"], size)
-        result["machine"]["loadavg_end"] = os.getloadavg()
-        out.write_text(json.dumps(result, indent=1))
+        write_result(out, "smollm", result, args, finished=len(result["runs"]) == len(args.methods),
+                     threads=args.threads)
     plot(result, out.with_suffix(".png"))
     print(f"[smollm] wrote {out} and {out.with_suffix('.png')}")
     print(json.dumps(result["comparison"], indent=1))

@@ -4,14 +4,14 @@ Steps, each its own process (so each run's clock and peak memory are its own)::
 
     export PYTHONPATH=. OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     PY=.venv-vllm/bin/python
-    $PY -m benchmarks.smollm.tool_rl prepare                # demonstrations, RL rows, held-out rows
-    $PY -m benchmarks.smollm.tool_rl warmstart --steps 3    # mugrpo sft: the short warm start
-    $PY -m benchmarks.smollm.tool_rl probe                  # the warm-started model: greedy + 4 samples
-    $PY -m benchmarks.smollm.tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
-    $PY -m benchmarks.smollm.tool_rl run grpo --seed 1      # grpo, a fresh stage every update
-    $PY -m benchmarks.smollm.tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
-    $PY -m benchmarks.smollm.tool_rl final mu --seed 1      # the trained model with and without the tool
-    .venv/bin/python -m benchmarks.smollm.tool_rl report    # JSON + figure from the run directories
+    $PY -m benchmarks smollm_tool_rl prepare                # demonstrations, RL rows, held-out rows
+    $PY -m benchmarks smollm_tool_rl warmstart --steps 3    # mugrpo sft: the short warm start
+    $PY -m benchmarks smollm_tool_rl probe                  # the warm-started model: greedy + 4 samples
+    $PY -m benchmarks smollm_tool_rl run mu --seed 1        # mu-grpo, the whole run as one stage
+    $PY -m benchmarks smollm_tool_rl run grpo --seed 1      # grpo, a fresh stage every update
+    $PY -m benchmarks smollm_tool_rl run notool --seed 1    # mu-grpo, same questions, no tool
+    $PY -m benchmarks smollm_tool_rl final mu --seed 1      # the trained model with and without the tool
+    .venv/bin/python -m benchmarks smollm_tool_rl report    # JSON + figure from the run directories
 
 **Task.** The two-call calculator task of docs/BENCHMARKS.md section 9 ("What is a * b + c * d?",
 solved as ``a * b`` then ``<that> + c * d``; :func:`mugrpo.warmstart.demos.calculator_rows`). The
@@ -42,15 +42,18 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gzip
 import json
 import os
-import platform
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.suite import command, common_arguments, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "smollm_tool_rl"
@@ -181,7 +184,7 @@ def run(args) -> None:
     info = {"arm": args.arm, "seed": args.seed, "wall_s": time.perf_counter() - t0, "latency_s": args.latency,
             "config": config, "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "load_avg_at_end": os.getloadavg(),
-            "command": " ".join(["python -m benchmarks.smollm.tool_rl"] + sys.argv[1:]),
+            "command": shlex.join(command()),
             "final_model": str(result.final_model)}
     (run_dir / "bench.json").write_text(json.dumps(info, indent=1))
     print(json.dumps(info))
@@ -282,8 +285,6 @@ def compare(runs: list[dict]) -> dict:
 
 
 def report(args) -> None:
-    import torch
-
     start = _start_eval()
     runs = [summarize(d) for d in sorted(CACHE.glob("*_seed*")) if (d / "metrics.jsonl").exists()]
     for r in runs:
@@ -291,12 +292,10 @@ def report(args) -> None:
             r["evals"].insert(0, dict(start))
         r["veto_by_turn"] = veto_by_turn(r)
     finals = {p.stem[len("eval_"):]: json.loads(p.read_text())["tasks"]["calc"] for p in sorted(OUT.glob("eval_*.json"))}
-    out = {"machine": {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cores": os.cpu_count(),
-                       "python": platform.python_version()},
-           "warmstart": json.loads((OUT / "warmstart.json").read_text()) if (OUT / "warmstart.json").exists() else None,
+    out = {"warmstart": json.loads((OUT / "warmstart.json").read_text()) if (OUT / "warmstart.json").exists() else None,
            "comparison": compare(runs), "runs": runs, "final_evals": finals}
-    (OUT / "tool_rl.json").write_text(json.dumps(out, indent=1))
-    print(f"wrote {OUT / 'tool_rl.json'} ({len(runs)} runs)")
+    write_result(args.out, "smollm_tool_rl", out, args)  # the machine is the report's; each run's is in its bench.json
+    print(f"wrote {args.out} ({len(runs)} runs)")
     for r in runs:
         accs = [(e["update"], e["greedy_acc"], e["sampled_acc"]) for e in r["evals"]]
         print(f"{r['arm']:7s} seed {r['seed']}: {json.dumps({k: v if v is None else round(v, 1) for k, v in r['totals'].items()})}")
@@ -323,9 +322,10 @@ def figure(runs: list[dict]) -> None:
         reward.plot([s["time_s"] / 60 for s in done], [s["reward_mean"] for s in done], **style)
     # The veto never fired at lr 1e-5 (every run's veto_by_turn is 0); the lr 5e-5 mu-grpo run, kept
     # as what did not work, shows where it acts once the policy drifts.
-    hot = OUT / "lr5e-5_mu_seed1_metrics.jsonl"
+    hot = OUT / "lr5e-5_mu_seed1_metrics.jsonl.gz"  # a raw log, kept compressed beside the result it backs
     if hot.exists():
-        ups = [json.loads(x) for x in hot.read_text().splitlines() if x.strip() and json.loads(x)["kind"] == "update"]
+        lines = gzip.decompress(hot.read_bytes()).decode().splitlines()
+        ups = [json.loads(x) for x in lines if x.strip() and json.loads(x)["kind"] == "update"]
         for turn in range(3):
             key = f"loss/veto_token_frac_turn{turn}"
             veto.plot([u["update"] for u in ups], [u.get(key) or 0.0 for u in ups], marker="o", label=f"policy turn {turn}")
@@ -363,7 +363,7 @@ def main(argv=None) -> None:
             s.add_argument("--eval-every", type=int, default=4)
             s.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out item (avg@k)")
             s.add_argument("--latency", type=float, default=0.5, help="seconds each tool call waits")
-    sub.add_parser("report")
+    common_arguments(sub.add_parser("report"), "smollm_tool_rl")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     CACHE.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,9 @@
 # SmolLM2-135M-Instruct on the two-call calculator task (a*b + c*d: a*b first, then <that> + c*d):
 # the base model with and without the calculator, then a warm start on solved traces
 # (mugrpo.warmstart.demos.calculator_rows) and the same evaluations of the warm-started model.
-# Greedy, 64 held-out items (seed 1; the traces use seed 0). Writes benchmarks/results/smollm_tool_warmstart/*.
-#   LR=1e-4 bash benchmarks/smollm/tool_warmstart.sh [NUM_TRACES] [EPOCHS]   (8 traces per step)
+# Greedy, 64 held-out items (seed 1; the traces use seed 0). Writes benchmarks/results/smollm_tool_warmstart/*
+# (result.json in the suite's schema, benchmarks/suite.py).
+#   LR=1e-4 python -m benchmarks smollm_tool_warmstart [NUM_TRACES] [EPOCHS]   (8 traces per step; or bash this file)
 # Needs .venv-vllm (bash scripts/setup_vllm.sh). A benchmark, not a test: it asserts nothing. A rerun keeps
 # the base model's evaluations and redoes the warm start and what follows.
 set -euo pipefail
@@ -29,7 +30,7 @@ evaluate() {  # model label [extra overrides]
     --out "$OUT/eval_$label.json" --samples "$CACHE/samples_$label.jsonl" "${TASK[@]}" "$@" > "$CACHE/eval_$label.log" 2>&1 \
     || { echo "eval $label failed:"; tail -5 "$CACHE/eval_$label.log"; }
 }
-echo "capability: $($PY -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')" | tee "$OUT/machine.txt"
+echo "capability: $($PY -c 'import torch; print(torch.backends.cpu.get_cpu_capability())')"
 t0=$(date +%s)
 evaluate smollm2-135m-instruct base_tool task.env=calculator
 evaluate smollm2-135m-instruct base_notool
@@ -38,9 +39,19 @@ rm -rf "$CACHE/sft"
 $PY -m mugrpo sft --run-dir "$CACHE/sft" warmstart.data="$CACHE/train.jsonl" warmstart.epochs="$EPOCHS" \
   warmstart.lr=${LR:-1e-4} warmstart.batch_size=8 train.progress=false > "$CACHE/sft.log" 2>&1 || { echo "sft failed"; tail -20 "$CACHE/sft.log"; exit 1; }
 t2=$(date +%s)
-cp "$CACHE/sft/metrics.jsonl" "$OUT/sft_metrics.jsonl"
+gzip -c "$CACHE/sft/metrics.jsonl" > "$OUT/sft_metrics.jsonl.gz"  # the raw log, compressed beside the result
 evaluate "$CACHE/sft/final_model" sft_tool task.env=calculator
 evaluate "$CACHE/sft/final_model" sft_notool
 t3=$(date +%s)
 echo "{\"num_traces\": $N, \"epochs\": $EPOCHS, \"eval_base_s\": $((t1-t0)), \"sft_s\": $((t2-t1)), \"eval_sft_s\": $((t3-t2))}" > "$OUT/timing.json"
 cat "$OUT/timing.json"
+# the suite's result (benchmarks/suite.py): every JSON above as its figures, with the machine and commit
+$PY - "$OUT" "$N" "$EPOCHS" "${LR:-1e-4}" <<'PY'
+import sys
+from pathlib import Path
+from benchmarks.suite import read_figures, write_result
+out, n, epochs, lr = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+figures = {p.stem: read_figures(p) for p in sorted(out.glob("*.json")) if p.name != "result.json"}
+write_result(out / "result.json", "smollm_tool_warmstart", figures, {"num_traces": n, "epochs": epochs, "lr": lr},
+             argv=["bash", "benchmarks/smollm/tool_warmstart.sh", str(n), str(epochs)])
+PY

@@ -1,7 +1,7 @@
 """The off-policy corrections side by side on identical stale rollouts (issue 21 part 4), in the long toy lab.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks.toy_lab.corrections --seeds 0 1 2
-    PYTHONPATH=. python -m benchmarks.toy_lab.corrections --plot      # figure + table from the results file
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks toy_lab_corrections --seeds 0 1 2
+    PYTHONPATH=. python -m benchmarks toy_lab_corrections --plot      # figure + table from the results file
 
 Setting: docs/BENCHMARKS.md section 1b (long worked chain sums, the same warm start and sizes,
 :data:`benchmarks.toy_lab.run.LONG_SIZE`): one stage of mu = 64 updates, 2 prompts x G = 8 per
@@ -23,19 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from benchmarks.toy_lab import long_task, warmstart
-from benchmarks.toy_lab.run import LONG_SIZE, RESULTS, LabSize, _cpu_s, dump_json, machine, run_one
-
 from benchmarks.corrections_grid import METHODS, SOURCE
+from benchmarks.suite import RESULTS, common_arguments, read_figures, read_result
+from benchmarks.toy_lab import long_task, warmstart
+from benchmarks.toy_lab.run import LONG_SIZE, LabSize, _cpu_s, run_one, write_lab_result
 
 COMMON = ["task.max_prompt_tokens=256"]
 """For every run: the 1M-parameter model has 512 positions, and prompt (~30 tokens here) + 127 new tokens
@@ -89,34 +87,34 @@ def summarise(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    common_arguments(ap, "toy_lab_corrections", seeds=[0, 1, 2])
     ap.add_argument("--lrs", type=float, nargs="+", default=[LONG_SIZE.lr, LONG_SIZE.paper_lr])
     ap.add_argument("--only", nargs="*", help=f"methods to run (of {', '.join(METHODS)}); the source ({SOURCE}) "
                                               "always runs first at the first lr")
     ap.add_argument("--eval-every", type=int, default=LONG_SIZE.eval_every)
     ap.add_argument("--total-updates", type=int, default=LONG_SIZE.total_updates,
                     help="the one stage's length mu (smoke tests only: the comparison is at 64)")
-    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--plot", action="store_true", help="only redraw the figure and print the table")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine these results files (e.g. one driver per "
                     "seed, run side by side) into --out, then exit")
     args = ap.parse_args(argv)
     out_path = Path(args.out)
     if args.merge:
-        parts = [json.loads(Path(p).read_text()) for p in args.merge]
-        merged = {**parts[0], "runs": [r for p in parts for r in p["runs"]],
-                  "command": " ; ".join(p["command"] for p in parts),
-                  "parts": [{"command": p["command"], "machine": p["machine"], "session_s": p.get("session_s"),
-                             "session_cpu_s": p.get("session_cpu_s")} for p in parts]}
+        parts = [read_result(p) for p in args.merge]
+        figures = [p["figures"] for p in parts]
+        merged = {**figures[0], "runs": [r for f in figures for r in f["runs"]],
+                  "parts": [{"command": p["command"], "machine": p["machine"], "commit": p["commit"],
+                             "session_s": f.get("session_s"), "session_cpu_s": f.get("session_cpu_s")}
+                            for p, f in zip(parts, figures)]}
         merged["summary"] = summarise(merged["runs"])
-        out_path.write_text(dump_json(merged))
+        write_lab_result(out_path, "toy_lab_corrections", merged, args, finished=True)
         print(f"[corrections] merged {len(merged['runs'])} runs into {out_path}")
         return 0
     if args.plot:
         from benchmarks.toy_lab.plot_corrections import plot, table
 
         print(f"[corrections] wrote {plot(out_path)}")
-        print(table(json.loads(out_path.read_text())))
+        print(table(read_figures(out_path)))
         return 0
     torch.set_num_threads(1)
     spec = long_task.LongSpec()
@@ -124,13 +122,12 @@ def main(argv=None) -> int:
     warm = json.loads((model_dir / "warmstart.json").read_text())
     size = LabSize(**{**asdict(LONG_SIZE), "eval_every": args.eval_every, "total_updates": args.total_updates})
     size.max_new_tokens = warm["max_new_tokens"]
-    command = " ".join(["python -m benchmarks.toy_lab.corrections"] + (argv or sys.argv[1:]))
-    result = {"benchmark": "toy_lab_corrections", "size": asdict(size), "warmstart": warm, "machine": machine(),
-              "methods": {k: {"preset": p, "overrides": o} for k, (p, o) in METHODS.items()},
-              "command": command, "runs": []}
+    result = {"benchmark": "toy_lab_corrections", "size": asdict(size), "warmstart": warm,
+              "methods": {k: {"preset": p, "overrides": o} for k, (p, o) in METHODS.items()}, "runs": []}
     if out_path.is_file():  # append: keep what ran, skip it
-        old = json.loads(out_path.read_text())
-        result["runs"], result["command"] = old["runs"], old["command"] + " ; " + command
+        envelope = read_result(out_path)
+        result["runs"] = envelope["figures"]["runs"]
+        result["earlier_commands"] = envelope["figures"].get("earlier_commands", []) + [envelope["command"]]
     done = {(r["name"], r["seed"], r["lr"]) for r in result["runs"]}
     names = [SOURCE] + [m for m in METHODS if m != SOURCE and (not args.only or m in args.only)]
     names += [m for m in OWN_DATA if args.only and m in args.only]
@@ -159,8 +156,8 @@ def main(argv=None) -> int:
                 result["summary"] = summarise(result["runs"])
                 result["session_s"] = time.perf_counter() - t_all
                 result["session_cpu_s"] = _cpu_s() - cpu_all
-                result["machine"]["loadavg_end"] = os.getloadavg()
-                out_path.write_text(dump_json(result))
+                write_lab_result(out_path, "toy_lab_corrections", result, args, finished=False)
+    write_lab_result(out_path, "toy_lab_corrections", result, args, finished=True)
     return 0
 
 

@@ -2,8 +2,8 @@
 
 One command::
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks.toy_lab.dynamic          # 2 presets x on/off x 2 seeds
-    PYTHONPATH=. python -m benchmarks.toy_lab.dynamic --plot                      # redraw the figure
+    PYTHONPATH=. OMP_NUM_THREADS=1 python -m benchmarks toy_lab_dynamic          # 2 presets x on/off x 2 seeds
+    PYTHONPATH=. python -m benchmarks toy_lab_dynamic --plot                      # redraw the figure
 
 The model is the toy lab's 1.06M-parameter character Llama (:mod:`benchmarks.toy_lab.warmstart`),
 warm-started by the same SFT but stopped earlier (``--sft-steps``, default 100 instead of 125), so
@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from benchmarks.suite import common_arguments, read_figures
 from benchmarks.toy_lab import run as lab
 from benchmarks.toy_lab import warmstart
 
-RESULTS = lab.RESULTS
-OUT = RESULTS / "toy_lab_dynamic.json"
 DYNAMIC_KEYS = ("stage/informative_frac", "stage/num_rounds", "stage/num_extra_sequences",
                 "stage/num_informative_groups", "stage/zero_var_group_frac", "perf/extra_generate_s",
                 "stage/kept_reward_mean", "perf/score_s")
@@ -103,7 +100,7 @@ def summarise(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    common_arguments(ap, "toy_lab_dynamic", seeds=[0, 1])
     ap.add_argument("--presets", nargs="+", default=["grpo", "mu-grpo"])
     ap.add_argument("--sft-steps", type=int, default=100,
                     help="the warm start's SFT steps (the toy lab's own warm start stops at 125, pass@1 ~0.3)")
@@ -116,7 +113,6 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--eval-samples", type=int, default=8, help="samples per held-out prompt (the task holds out 80)")
     ap.add_argument("--only", nargs="*", help="run only these experiment names")
-    ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--plot", action="store_true", help="only redraw the figure from --out")
     args = ap.parse_args(argv)
     out_path = Path(args.out)
@@ -136,11 +132,7 @@ def main(argv=None) -> int:
     exps = [e for e in experiments(args.presets, args.oversample, args.max_rounds)
             if not args.only or e[0] in args.only]
     result = {"benchmark": "toy_lab_dynamic", "size": asdict(size), "warmstart": warm,
-              "dynamic": {"oversample": args.oversample, "max_rounds": args.max_rounds},
-              "machine": lab.machine(),
-              "command": " ".join(["python -m benchmarks.toy_lab.dynamic"] + (argv or sys.argv[1:])),
-              "runs": []}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+              "dynamic": {"oversample": args.oversample, "max_rounds": args.max_rounds}, "runs": []}
     t_all, cpu_all = time.perf_counter(), lab._cpu_s()
     for seed in args.seeds:  # seed-major: a partial result already has every experiment at seed 0
         for name, preset, overrides in exps:
@@ -154,8 +146,8 @@ def main(argv=None) -> int:
                   f"({run['train_s']:.0f} s train, {tokens_before(run['stages'], 10**9):.0f} tokens)", flush=True)
             result["summary"] = summarise(result["runs"])
             result["total_s"], result["total_cpu_s"] = time.perf_counter() - t_all, lab._cpu_s() - cpu_all
-            result["machine"]["loadavg_end"] = os.getloadavg()
-            out_path.write_text(lab.dump_json(result))
+            finished = len(result["runs"]) == len(args.seeds) * len(exps)
+            lab.write_lab_result(out_path, "toy_lab_dynamic", result, args, finished=finished)
     print(f"[dynamic] wrote {plot(out_path)}")
     return 0
 
@@ -170,7 +162,7 @@ def plot(path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = json.loads(Path(path).read_text())
+    result = read_figures(path)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
     colours = {}
     for name in dict.fromkeys(r["name"] for r in result["runs"]):

@@ -9,13 +9,12 @@ Files are named after the JSON (``toy_lab.json`` -> ``toy_lab_presets.png`` ...)
 - ``toy_lab_delta.png``: final and peak pass@1 against delta.
 - With the ``adaptive`` group run, its experiments join the presets figure.
 
-``python -m benchmarks.toy_lab.plot [results.json]`` redraws them and prints the summary table.
+``python -m benchmarks toy_lab_plot [results.json]`` redraws them and prints the summary table.
 """
 
 from __future__ import annotations
 
-import json
-import sys
+import argparse
 from pathlib import Path
 
 import matplotlib
@@ -23,6 +22,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from benchmarks.suite import RESULTS, read_figures  # noqa: E402
 
 COLORS = {"grpo": "black", "grpo-stale": "tab:gray", "grpo-stale-relaxed": "tab:red", "m2po": "tab:orange",
           "mu-grpo": "tab:blue", "veto=trigger": "tab:purple", "veto=sequence": "tab:green",
@@ -82,7 +83,7 @@ def _stage_lines(ax, result):
 
 
 def plot_all(path: Path) -> list[Path]:
-    result = json.loads(Path(path).read_text())
+    result = read_figures(path)
     runs = result["runs"]
     names = {r["name"] for r in runs}
     out_dir = Path(path).parent
@@ -150,7 +151,7 @@ def plot_all(path: Path) -> list[Path]:
 
 def markdown_summary(path: Path) -> str:
     """The results table of docs/BENCHMARKS.md: one row per experiment, mean +- std over seeds."""
-    result = json.loads(Path(path).read_text())
+    result = read_figures(path)
 
     def fmt(stat, scale=1.0, digits=3):
         if not stat:
@@ -167,9 +168,15 @@ def markdown_summary(path: Path) -> str:
     return f"Initial pass@1 (the warm start): {start:.3f}\n\n" + "\n".join(rows)
 
 
-if __name__ == "__main__":
-    default = Path(__file__).resolve().parents[1] / "results" / "toy_lab.json"
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else default
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "toy_lab.json", help="a results JSON (default: the committed one)")
+    target = ap.parse_args(argv).results
     for p in plot_all(target):
         print(p)
     print(markdown_summary(target))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

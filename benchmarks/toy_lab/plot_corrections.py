@@ -1,6 +1,6 @@
 """The figure and table of the corrections comparison (:mod:`benchmarks.toy_lab.corrections`).
 
-    PYTHONPATH=. python -m benchmarks.toy_lab.plot_corrections [RESULTS_JSON]
+    PYTHONPATH=. python -m benchmarks toy_lab_plot_corrections [RESULTS_JSON]
 
 Left: final held-out pass@1 per method at each lr (bar = mean over seeds, dots = seeds, dashed line =
 the warm start). Middle: KL(pi_b || pi_theta) (k3, per token) against the update's position in the
@@ -11,11 +11,11 @@ mean over 4 updates.
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
-import sys
 from pathlib import Path
 
+from benchmarks.suite import read_figures
 from benchmarks.toy_lab.corrections import METHODS, OUT, OWN_DATA, masked_frac
 
 
@@ -45,7 +45,7 @@ def plot(path: Path = OUT) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    result = json.loads(Path(path).read_text())
+    result = read_figures(path)
     runs = result["runs"]
     lrs = sorted({r["lr"] for r in runs}, reverse=True)
     names = [m for m in [*METHODS, *OWN_DATA] if any(r["name"] == m for r in runs)]
@@ -85,7 +85,14 @@ def plot(path: Path = OUT) -> Path:
     return out
 
 
-if __name__ == "__main__":
-    p = Path(sys.argv[1]) if len(sys.argv) > 1 else OUT
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", type=Path, default=OUT, help="a results JSON (default: the committed one)")
+    p = ap.parse_args(argv).results
     print(plot(p))
-    print(table(json.loads(p.read_text())))
+    print(table(read_figures(p)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,14 +13,13 @@
 Also :func:`rollout_table`: generation seconds per generated token, grpo's small refreshes against
 a stale run's whole-stage generation, per seed (same process, same seed, back to back).
 
-``python -m benchmarks.toy_lab.plot_long [results.json]`` redraws them and prints the tables.
+``python -m benchmarks toy_lab_plot_long [results.json]`` redraws them and prints the tables.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import statistics
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -29,6 +28,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.suite import RESULTS, read_figures  # noqa: E402
 from benchmarks.toy_lab.plot import _panel, _stage_lines, markdown_summary  # noqa: E402
 
 COLORS = {"grpo": "black", "grpo-stale": "tab:gray", "grpo-stale-relaxed": "tab:red", "m2po": "tab:orange",
@@ -102,7 +102,7 @@ def plot_staleness(result, out: Path, smooth: int = 4) -> Path:
 
 def plot_all(path: Path) -> list[Path]:
     path = Path(path)
-    result = json.loads(path.read_text())
+    result = read_figures(path)
     runs, size = result["runs"], result["size"]
     mu = size["total_updates"] // size["stale_stages"]
     written = []
@@ -157,7 +157,7 @@ def plot_all(path: Path) -> list[Path]:
 
 def rollout_table(path: Path) -> str:
     """Generation s per generated token: grpo (mu = 4 refreshes) vs each stale run of the same seed."""
-    result = json.loads(Path(path).read_text())
+    result = read_figures(path)
 
     def per_token(run):
         gen_s = sum(s.get("perf/generate_s") or 0 for s in run["stages"])
@@ -184,11 +184,17 @@ def rollout_table(path: Path) -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(lines)
 
 
-if __name__ == "__main__":
-    default = Path(__file__).resolve().parents[1] / "results" / "toy_lab_long.json"
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else default
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "toy_lab_long.json", help="a results JSON (default: the committed one)")
+    target = ap.parse_args(argv).results
     for p in plot_all(target):
         print(p)
     print(markdown_summary(target))
     print()
     print(rollout_table(target))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

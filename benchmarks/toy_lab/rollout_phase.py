@@ -8,27 +8,28 @@ interleaved, on the same prompts: the stale runs' stage (1,024 sequences = 2 ``g
 in load hits both alike. The engine is mugrpo's HF engine with the lab's rollout settings (bf16
 where the CPU computes it natively, T = 1, up to the warm start's max_new_tokens).
 
-    PYTHONPATH=. python -m benchmarks.toy_lab.rollout_phase
+    PYTHONPATH=. python -m benchmarks toy_lab_rollout_phase
 
 Output: ``benchmarks/results/toy_lab_long_rollout.json`` and one line per shape on stdout.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 
+from benchmarks.suite import common_arguments, write_result
 from benchmarks.toy_lab import long_task
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 
-
-def main() -> int:
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_arguments(ap, "toy_lab_rollout_phase")
+    args = ap.parse_args(argv)
     from mugrpo.config import load_config
     from mugrpo.rollout.engines.base import SamplingConfig
     from mugrpo.rollout.engines.hf import HFEngine
@@ -71,10 +72,8 @@ def main() -> int:
     print(f"[toy_lab] grpo's refreshes / one stage, seconds per generated token: {ratio:.2f}x "
           f"(cpu capability {torch.backends.cpu.get_cpu_capability()}, engine dtype {dtype})")
     out = {"shapes": shapes, "ratio_grpo_over_stage": ratio, "engine_dtype": dtype,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-           "loadavg": os.getloadavg(), "max_new_tokens": warm["max_new_tokens"],
-           "command": "python -m benchmarks.toy_lab.rollout_phase"}
-    (RESULTS / "toy_lab_long_rollout.json").write_text(json.dumps(out, indent=1) + "\n")
+           "max_new_tokens": warm["max_new_tokens"]}
+    write_result(args.out, "toy_lab_rollout_phase", out, args, threads=torch.get_num_threads())
     return 0
 
 

@@ -2,8 +2,8 @@
 
 One command runs everything, sequentially, in one process::
 
-    PYTHONPATH=. python -m benchmarks.toy_lab.run            # full lab (see docs/BENCHMARKS.md)
-    PYTHONPATH=. python -m benchmarks.toy_lab.run --quick    # 1 seed, 2 presets, a few updates
+    PYTHONPATH=. python -m benchmarks toy_lab            # full lab (see docs/BENCHMARKS.md)
+    PYTHONPATH=. python -m benchmarks toy_lab --quick    # 1 seed, 2 presets, a few updates (into benchmarks/cache/)
 
 Groups of runs (every run: same warm-started model, same update budget, same data budget; the
 stale ones share the same mu):
@@ -40,20 +40,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import resource
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from benchmarks.toy_lab import long_task, warmstart
 from benchmarks.evaluate import UpdateEvaluator, patched_trainer
+from benchmarks.suite import common_arguments, read_result, write_result
+from benchmarks.toy_lab import long_task, warmstart
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 PRESETS = ("grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo")
@@ -229,24 +228,26 @@ def summarise(runs: list[dict]) -> dict:
     return out
 
 
-def dump_json(result: dict) -> str:
-    """Compact JSON, floats to 5 significant digits (the per-update curves are most of the file)."""
-    def rounded(x):
-        if isinstance(x, float):
-            return float(f"{x:.5g}")
-        if isinstance(x, dict):
-            return {k: rounded(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [rounded(v) for v in x]
-        return x
+def rounded(x):
+    """Floats to 5 significant digits (the per-update curves are most of a lab's results file)."""
+    if isinstance(x, float):
+        return float(f"{x:.5g}")
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [rounded(v) for v in x]
+    return x
 
+
+def dump_json(result: dict) -> str:
+    """Compact JSON, floats to 5 significant digits."""
     return json.dumps(rounded(result), separators=(",", ":")) + "\n"
 
 
-def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+def write_lab_result(path: Path, name: str, result: dict, args, finished: bool) -> None:
+    """The lab's results in the suite's schema: compact, rounded, the lab's thread count beside the machine."""
+    write_result(path, name, rounded(result), args, finished=finished, indent=None, threads=torch.get_num_threads(),
+                 processor=platform.processor())
 
 
 def main(argv=None) -> int:
@@ -258,12 +259,11 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", nargs="*", default=None, metavar="NAME:SEED",
                     help="keep these runs' folders under benchmarks/cache/toy_lab/kept (long default: "
                          "mu-grpo:0 grpo-stale-relaxed:0)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    common_arguments(ap, "toy_lab", seeds=[0, 1, 2], quick="1 seed, grpo + mu-grpo, 16 updates")
+    ap.set_defaults(out=None)  # benchmarks/results/toy_lab.json (long: toy_lab_long.json; --quick: benchmarks/cache/)
     ap.add_argument("--only", nargs="*", help="run only these experiment names (e.g. grpo mu-grpo)")
     ap.add_argument("--append", action="store_true",
                     help="add to the existing results file (same setting and sizes), skipping runs already in it")
-    ap.add_argument("--quick", action="store_true", help="smoke test: 1 seed, grpo + mu-grpo, 16 updates")
-    ap.add_argument("--out", default=None, help="default: benchmarks/results/toy_lab.json (long: toy_lab_long.json)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="extra mugrpo config overrides for every run (e.g. optim.warmup_updates=8)")
     for f, v in asdict(LabSize()).items():
@@ -289,18 +289,20 @@ def main(argv=None) -> int:
     size.max_new_tokens = size.max_new_tokens or warm["max_new_tokens"]
     exps = [e for e in experiments(groups) if not args.only or e[1] in args.only]
     work = warmstart.CACHE / "runs"
-    out_path = Path(args.out or RESULTS / ("toy_lab_long.json" if long else "toy_lab.json"))
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    default = "toy_lab_long.json" if long else "toy_lab.json"
+    # a smoke run never replaces the committed results: it writes under the git-ignored cache
+    out_path = Path(args.out or (warmstart.CACHE.parent / f"quick_{default}" if args.quick else RESULTS / default))
     result = {"benchmark": "toy_lab_long" if long else "toy_lab", "setting": args.setting, "size": asdict(size),
-              "extra_overrides": args.set, "warmstart": warm,
-              "machine": machine(), "command": " ".join(["python -m benchmarks.toy_lab.run"] + (argv or sys.argv[1:])),
-              "runs": []}
+              "extra_overrides": args.set, "warmstart": warm, "runs": []}
     if args.append and out_path.is_file():
-        old = json.loads(out_path.read_text())
+        envelope = read_result(out_path)
+        old = envelope["figures"]
         if old.get("size") != json.loads(dump_json({"size": asdict(size)}))["size"] or old.get("setting") != args.setting:
             raise SystemExit(f"[toy_lab] --append: {out_path} holds runs of other sizes or another setting; "
                              "use another --out or the same sizes")
-        result["runs"], result["command"] = old["runs"], old["command"] + " ; " + result["command"]
+        # the runs already there came from earlier commands (the envelope records this one)
+        result["runs"] = old["runs"]
+        result["earlier_commands"] = old.get("earlier_commands", []) + [envelope["command"]]
     done = {(r["name"], r["seed"]) for r in result["runs"]}
     t_all, cpu_all = time.perf_counter(), _cpu_s()
     for seed in args.seeds:  # seed-major: a partial result already has every experiment at seed 0
@@ -319,8 +321,10 @@ def main(argv=None) -> int:
             result["summary"] = summarise(result["runs"])
             result["total_s"] = time.perf_counter() - t_all
             result["total_cpu_s"] = _cpu_s() - cpu_all
-            result["machine"]["loadavg_end"] = os.getloadavg()
-            out_path.write_text(dump_json(result))
+            write_lab_result(out_path, "toy_lab", result, args, finished=False)
+    if result["runs"]:
+        result["summary"] = summarise(result["runs"])
+        write_lab_result(out_path, "toy_lab", result, args, finished=True)
     if long:
         from benchmarks.toy_lab.plot_long import plot_all
     else:

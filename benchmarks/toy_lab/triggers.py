@@ -16,24 +16,22 @@ negative-advantage responses:
 
 Nothing here slows the trainer down; it reads what the run left on disk.
 
-    PYTHONPATH=. python -m benchmarks.toy_lab.triggers [KEPT_RUN_DIR ...]
+    PYTHONPATH=. python -m benchmarks toy_lab_triggers [KEPT_RUN_DIR ...]
 
 Output: ``benchmarks/results/toy_lab_long_triggers.json`` and a markdown summary on stdout.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
 import re
-import sys
 from pathlib import Path
 
 import torch
 
+from benchmarks.suite import common_arguments, write_result
 from benchmarks.toy_lab.warmstart import CACHE
-
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 DELTAS = (1e-2, 1e-3, 1e-4)
 
 
@@ -157,17 +155,19 @@ def markdown(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    dirs = [Path(a) for a in args] or sorted((CACHE / "kept").glob("toy_lab_long-*"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run_dirs", nargs="*", type=Path, help="kept run folders (default: benchmarks/cache/toy_lab/kept/toy_lab_long-*)")
+    common_arguments(ap, "toy_lab_triggers")
+    args = ap.parse_args(argv)
+    dirs = args.run_dirs or sorted((CACHE / "kept").glob("toy_lab_long-*"))
     if not dirs:
-        raise SystemExit("[toy_lab] no kept run folder: run `python -m benchmarks.toy_lab.run --setting long` first "
+        raise SystemExit("[toy_lab] no kept run folder: run `python -m benchmarks toy_lab --setting long` first "
                          "(it keeps mu-grpo and grpo-stale-relaxed at seed 0), or pass run folders")
     torch.set_num_threads(1)
     results = [analyse(d) for d in dirs]
-    out = RESULTS / "toy_lab_long_triggers.json"
-    out.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(args.out, "toy_lab_triggers", {"runs": results}, args)
     print(markdown(results))
-    print(f"[toy_lab] wrote {out}")
+    print(f"[toy_lab] wrote {args.out}")
     return 0
 
 

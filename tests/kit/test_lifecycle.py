@@ -80,18 +80,30 @@ def test_a_stop_before_any_heavy_import_exits_130_and_writes_nothing(tiny_model_
     assert not run.exists()
 
 
-def test_a_stop_while_the_model_loads_is_resumable_to_the_uninterrupted_weights(tiny_model_dir, tmp_path):
+def test_a_stop_while_a_new_run_loads_writes_nothing_and_the_same_command_trains_as_uninterrupted(
+        tiny_model_dir, tmp_path):
     whole = tmp_path / "whole"
     assert _mugrpo("train", "--run-dir", whole, f"model.name={tiny_model_dir}", *RL_KEYS).returncode == 0
     run = tmp_path / "run"
-    r = _mugrpo("train", "--run-dir", run, f"model.name={tiny_model_dir}", *RL_KEYS, stop_at="model_loaded")
+    args = ("train", "--run-dir", run, f"model.name={tiny_model_dir}", *RL_KEYS)
+    r = _mugrpo(*args, stop_at="model_loaded")
     assert r.returncode == 130, r.stderr[-2000:]
-    assert f"Resume with: mugrpo train --resume {run}" in r.stderr
-    r = _mugrpo("train", "--resume", run)
+    assert "stopped before the run wrote anything" in r.stderr and not run.exists()
+    r = _mugrpo(*args)
     assert r.returncode == 0, r.stderr[-2000:]
     a = load_file(whole / "final_model" / "model.safetensors")
     b = load_file(run / "final_model" / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_a_stop_while_a_resumed_run_loads_names_its_resume_command(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    r = _mugrpo("train", "--run-dir", run, f"model.name={tiny_model_dir}", *RL_KEYS, stop_at="update:1")
+    assert r.returncode == 130, r.stderr[-2000:]
+    r = _mugrpo("train", "--resume", run, stop_at="model_loaded")
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert f"Resume with: mugrpo train --resume {run}" in r.stderr
+    assert _mugrpo("train", "--resume", run).returncode == 0
 
 
 def test_a_stop_between_the_warm_start_and_rl_names_the_run_and_resumes_into_rl(tiny_model_dir, demos, tmp_path):

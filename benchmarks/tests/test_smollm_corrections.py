@@ -8,6 +8,8 @@ from benchmarks.smollm import corrections
 from mugrpo.config import load_config
 from mugrpo.stages.replay import MATCH_KEYS, _get
 
+pytestmark = pytest.mark.bench  # a benchmark's bookkeeping: `pytest -m bench benchmarks/tests` runs it
+
 Z = corrections.Sizing(eval_items=64, eval_every=64)
 
 

@@ -1,10 +1,13 @@
 """benchmarks/vllm_engine.py on the default rollout.dtype=auto: the engines get the
 dtype training would resolve, never "auto" (the HF engine raised KeyError: 'auto')."""
-from benchmarks import vllm_engine
+import pytest
 
+from benchmarks import vllm_engine
 from mugrpo.config import Config
-from mugrpo.rollout.engines.hf import _DTYPES
 from mugrpo.hardware import detect, resolve
+from mugrpo.rollout.engines.hf import _DTYPES
+
+pytestmark = pytest.mark.bench  # a benchmark's bookkeeping: `pytest -m bench benchmarks/tests` runs it
 
 
 def test_the_benchmark_resolves_auto_as_training_does():

@@ -2,8 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks.toy_lab import long_task
 from benchmarks.toy_lab.triggers import decisive_positions
+
+pytestmark = pytest.mark.bench  # a benchmark's bookkeeping: `pytest -m bench benchmarks/tests` runs it
 
 
 def test_target_text_writes_every_running_total():

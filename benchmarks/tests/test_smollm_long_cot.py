@@ -3,9 +3,13 @@ its summaries, on hand-made metrics (no model, no engine)."""
 
 import math
 
+import pytest
+
 from benchmarks.smollm import long_cot
 from mugrpo.config import load_config
 from mugrpo.config.plan import make_plan
+
+pytestmark = pytest.mark.bench  # a benchmark's bookkeeping: `pytest -m bench benchmarks/tests` runs it
 
 
 def _config(preset: str):
