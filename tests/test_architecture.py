@@ -15,7 +15,7 @@ LAYERS = [
     {"observability"},
     {"evaluation"},
     {"training", "warmstart"},
-    {"api", "cli", "__main__", "__init__"},
+    {"api", "cli", "serve", "__main__", "__init__"},
 ]
 """Bottom to top: a module may import its own layer's and lower layers' modules only (lazily or not)."""
 
