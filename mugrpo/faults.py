@@ -9,7 +9,10 @@ Points: ``generate`` (after a generation batch, or a multi-turn turn in which a 
 ``eval`` (each progress call of an in-training evaluation: a decode step or finished sequences),
 ``round`` (after a dynamic-sampling round is persisted), ``update`` (after an optimizer update,
 before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before the rename),
-``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`).
+``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`),
+``serve_generate`` (a rollout service got a generate request and has not answered it:
+:mod:`mugrpo.rollout.service`). ``MUGRPO_FREEZE_AT="point:n"`` sends SIGSTOP instead: the process
+hangs there, alive but silent (a hung service).
 Unset in normal use; reading one environment variable is the whole cost.
 """
 
@@ -22,7 +25,8 @@ _counts: dict[str, int] = {}
 
 
 def maybe_die(point: str) -> None:
-    for variable, sig in (("MUGRPO_DIE_AT", signal.SIGKILL), ("MUGRPO_STOP_AT", signal.SIGTERM)):
+    for variable, sig in (("MUGRPO_DIE_AT", signal.SIGKILL), ("MUGRPO_STOP_AT", signal.SIGTERM),
+                          ("MUGRPO_FREEZE_AT", getattr(signal, "SIGSTOP", signal.SIGTERM))):
         spec = os.environ.get(variable)
         if not spec:
             continue

@@ -218,10 +218,10 @@ class RemoteConfig:
     """The remote engine's settings, ``rollout.remote.*`` (``rollout.engine=remote``: generation by one
     or more ``mugrpo serve`` services; read by :mod:`mugrpo.rollout.engines.remote` only; docs/SERVING.md)."""
 
-    urls: list = field(default_factory=list)
+    urls: list = field(default_factory=list, metadata=SAFE)
     """The services, e.g. ``[http://127.0.0.1:8100, http://10.0.0.7:8100]``; each must answer at start.
-    A stage's prompts are split across them in contiguous parts."""
-    weights_dir: Optional[str] = None
+    A stage's prompts are split across them in contiguous parts. A resume may name other services."""
+    weights_dir: Optional[str] = field(default=None, metadata=SAFE)
     """A folder the trainer and every service can read: each weight sync writes one safetensors file
     there, which the services load. null: ``/dev/shm/mugrpo-weights`` where ``/dev/shm`` exists (one
     machine), else ``mugrpo-weights`` in the system temp folder. Several machines: a shared file system."""

@@ -34,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Optional
 
+from mugrpo.faults import maybe_die
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype",
@@ -157,6 +158,7 @@ class ServiceState:
         extra = {}
         if self.info["engine"] == "hf":  # the HF engine's seeds follow the chunk index (engines/hf.py)
             extra["first_chunk"] = int(request.get("first_chunk", 0))
+        maybe_die("serve_generate")  # the fault tests' service death (or hang) mid-request
         with self.lock:
             batch_size = request.get("batch_size")
             if type(batch_size) is int and batch_size >= 1 and hasattr(self.engine, "batch_size"):
