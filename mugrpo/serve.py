@@ -36,11 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from mugrpo import __version__
-    from mugrpo.config.rollout_sections import RolloutConfig, VllmConfig
-    from mugrpo.models.loading import load_tokenizer, resolve_model_path
-    from mugrpo.rollout.engines import make_engine
-    from mugrpo.rollout.service import ServiceState, log, make_server, model_fingerprint, tokenizer_fingerprint
+    from mugrpo.rollout.service import make_server  # http.server and the wire format: no torch yet
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: a TCP port is 0..65535 (0: any free port)")
@@ -51,6 +47,12 @@ def run(args) -> int:
             raise ConfigError(f"--port {args.port}: the address {args.host}:{args.port} is already in use (another "
                               "service?); choose another --port, or --port 0 for any free one") from exc
         raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({exc})") from exc
+    from mugrpo import __version__
+    from mugrpo.config.rollout_sections import RolloutConfig, VllmConfig
+    from mugrpo.models.loading import load_tokenizer, resolve_model_path
+    from mugrpo.rollout.engines import make_engine
+    from mugrpo.rollout.service import ServiceState, log, model_fingerprint, tokenizer_fingerprint
+
     try:
         path = resolve_model_path(args.model, os.environ.get("MUGRPO_CACHE", args.cache_dir))
         tokenizer = load_tokenizer(path)
