@@ -47,7 +47,7 @@ def run(args) -> int:
             raise ConfigError(f"--port {args.port}: the address {args.host}:{args.port} is already in use (another "
                               "service?); choose another --port, or --port 0 for any free one") from exc
         raise ConfigError(f"--host {args.host} --port {args.port}: cannot listen there ({exc})") from exc
-    from mugrpo import __version__
+    import mugrpo
     from mugrpo.config.rollout_sections import RolloutConfig, VllmConfig
     from mugrpo.models.loading import load_tokenizer, resolve_model_path
     from mugrpo.rollout.engines import make_engine
@@ -64,7 +64,7 @@ def run(args) -> int:
         engine = make_engine(args.engine, path, tokenizer, cfg, seed=args.seed)
         info = {"model": args.model, "model_path": path, "model_fingerprint": model_fingerprint(path),
                 "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "engine": args.engine,
-                "dtype": args.dtype, "mugrpo_version": __version__}
+                "dtype": args.dtype, "mugrpo_version": mugrpo.__version__}
         server.RequestHandlerClass.state = ServiceState(engine, info, vocab_size=len(tokenizer))
         host, port = server.server_address[:2]
         log(f"listening on http://{host}:{port}")
