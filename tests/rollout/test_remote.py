@@ -92,6 +92,23 @@ def test_one_or_two_services_sample_exactly_what_the_hf_engine_samples(tiny_mode
         engine.close()
 
 
+def test_a_sync_from_another_thread_waits_for_the_call_in_flight(tiny_model_dir, svc, weights, expected):
+    engine = _remote(tiny_model_dir, [svc.url])
+    engine.load_weights(weights)
+    other = [(n, t + 1.0) for n, t in weights]  # weights that would change every sample
+    loader = threading.Thread(target=engine.load_weights, args=(other,))
+
+    def progress(k):
+        if not loader.is_alive() and engine.version == 1:
+            loader.start()  # a sync asked for while the call runs (e.g. the trainer, beside a generating thread)
+
+    assert engine.generate(PROMPTS, SAMPLING, progress=progress) == expected[0]  # all from version 1
+    assert engine.generate_version == 1
+    loader.join()
+    assert engine.version == 2 and json.loads(urllib.request.urlopen(svc.url + "/info").read())["weights_version"] == 2
+    engine.close()
+
+
 def test_unreachable_url_is_a_config_error_naming_the_key(tiny_model_dir):
     url = "http://127.0.0.1:9"  # the discard port: nothing listens there
     with pytest.raises(ConfigError, match=r"rollout\.remote\.urls.*127\.0\.0\.1:9"):

@@ -24,8 +24,10 @@ every service is asked again: one that is back gets the current weights before i
 service left, :class:`RemoteUnavailable` says which URLs failed and how to resume. The retried part
 carries its own seeds, so with HF services the stage is the same whichever service generates it.
 
-``generate`` may be called from any one thread at a time (e.g. a background stage generator); it starts
-its own threads, one per service, and calls ``progress`` from the calling thread.
+``generate`` and ``load_weights`` may be called from any thread (e.g. a background stage generator); a lock
+makes them take turns, so a sync waits for the call in flight and every answer of a call comes from one
+weights version (``generate_version`` says which). A call starts its own threads, one per service, and
+calls ``progress`` from the calling thread.
 
 This module knows nothing about rewards, the loss or the run directory.
 """
@@ -148,6 +150,9 @@ class RemoteEngine:
         self.rank = int(os.environ.get("RANK", "0"))
         self.weights_dir = Path(r.weights_dir or default_weights_dir())
         self.version, self.weights_path = 0, None
+        self.generate_version = 0
+        """The weights version the last ``generate`` call's completions came from (0: the services' own)."""
+        self._lock = threading.Lock()
         self._token = uuid.uuid4().hex[:12]
         want = {"model_fingerprint": model_fingerprint(model_path), "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                 "dtype": self.dtype}
@@ -182,6 +187,10 @@ class RemoteEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Write the weights as version ``self.version + 1`` (rank 0) and have every live service load
         it; other ranks take part in the gather, then wait for the services to report the version."""
+        with self._lock:
+            self._load_weights(named_tensors)
+
+    def _load_weights(self, named_tensors) -> None:
         self.version += 1
         if self.rank != 0:
             for _ in named_tensors:  # each item is a collective under FSDP2: every rank consumes them
@@ -286,6 +295,12 @@ class RemoteEngine:
                  max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
         if not prompts:
             return []
+        with self._lock:
+            out = self._generate(prompts, sampling, progress, max_new_tokens)
+            self.generate_version = self.version
+            return out
+
+    def _generate(self, prompts, sampling, progress, max_new_tokens) -> list[list[Completion]]:
         self._refresh()
         per_chunk = max(1, self.batch_size // sampling.n)
         parts = [_Part(a, b) for a, b in split_parts(len(prompts), per_chunk, len(self._live()))]
