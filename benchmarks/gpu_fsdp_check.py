@@ -1,8 +1,9 @@
 """GPU check of the FSDP2 training path: optimise-phase tokens/s, MFU and peak memory -> JSON.
 
-STATUS: NOT YET RUN ON A GPU (the ``--remote`` path neither). Written for one prepared run on a lent CUDA machine (an H200 with
-PyTorch 2.11 and no network); its ``--preset tiny --device cpu`` smoke mode is what has run, on
-the CPU development machine, to check the script's own logic. Numbers from it mean nothing.
+STATUS: NOT YET RUN ON A GPU (the ``--remote`` path neither). Written for one prepared run on a lent
+CUDA machine (an H200 with PyTorch 2.11 and no network); its ``--preset tiny --device cpu`` smoke
+mode is what has run, on the CPU development machine, to check the script's own logic (with
+``--remote-only`` too). Numbers from it mean nothing.
 
 What it does, per variant (bf16 mixed precision; + activation checkpointing; + CPU offload):
 build a ~0.5B Qwen2-style model from its config (random init, no download), shard it with

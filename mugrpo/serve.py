@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="HF engine: sequences per generate call when the "
                                                               "trainer does not send its rollout.batch_size")
     p.add_argument("--seed", type=int, default=0, help="the engine's seed (requests carry their own seeds)")
-    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="vLLM on CPU: KV cache size (rollout.vllm.kv_cache_gb)")
+    p.add_argument("--kv-cache-gb", type=float, default=2.0,
+                   help="vLLM on CPU: KV cache size (rollout.vllm.kv_cache_gb)")
     p.add_argument("--max-model-len", type=int, default=None, help="vLLM: prompt + response limit")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM on GPU: memory fraction")
     p.add_argument("--cache-dir", default="~/.cache/mugrpo", help="where built-in models are converted to")

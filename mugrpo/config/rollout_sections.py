@@ -245,7 +245,8 @@ class RemoteConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "auto"
-    """``auto``, or an engine of the registry ``mugrpo.rollout.engines.ENGINES`` (``hf``, ``vllm``, ``remote``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    """``auto``, or an engine of the registry ``mugrpo.rollout.engines.ENGINES`` (``hf``, ``vllm``, ``remote``).
+    ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
     else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
     (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing; ``remote``:
     ``mugrpo serve`` services at ``rollout.remote.urls`` (docs/SERVING.md)."""

@@ -101,7 +101,8 @@ def request_json(url: str, path: str, body: Optional[dict] = None, timeout: Opti
         raise ServiceRefused(f"the rollout service at {url} answered {path} with malformed JSON ({len(raw)} bytes: "
                              f"{raw[:80]!r}...); is that URL a mugrpo serve service?") from exc
     if not isinstance(answer, dict):
-        raise ServiceRefused(f"the rollout service at {url} answered {path} with {type(answer).__name__}, not an object")
+        raise ServiceRefused(f"the rollout service at {url} answered {path} with {type(answer).__name__}, "
+                             "not an object")
     return answer
 
 
@@ -154,8 +155,8 @@ class RemoteEngine:
         """The weights version the last ``generate`` call's completions came from (0: the services' own)."""
         self._lock = threading.Lock()
         self._token = uuid.uuid4().hex[:12]
-        want = {"model_fingerprint": model_fingerprint(model_path), "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                "dtype": self.dtype}
+        want = {"model_fingerprint": model_fingerprint(model_path),
+                "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "dtype": self.dtype}
         self.services = [self._connect(url.rstrip("/"), model_path, want) for url in r.urls]
 
     # -- start-up --------------------------------------------------------------------------------------
@@ -437,7 +438,8 @@ class _Call:
             if len(part.failed_on) > self.engine.retries:
                 self.error = RemoteUnavailable(f"prompts {part.start}..{part.stop - 1} failed on "
                                                f"{len(part.failed_on)} services ({', '.join(part.failed_on)}; "
-                                               f"rollout.remote.retries={self.engine.retries}); last: {why}. {RESUME_HINT}")
+                                               f"rollout.remote.retries={self.engine.retries}); last: {why}. "
+                                               f"{RESUME_HINT}")
             elif self.workers == 0:
                 self.error = RemoteUnavailable("no rollout service is left: " + "; ".join(
                     f"{x.url} ({x.failure})" for x in self.engine.services) + f". {RESUME_HINT}")
