@@ -113,6 +113,8 @@ class _Service:
     alive: bool = True
     failure: str = ""
     """Why it was last taken as dead (for the error when none is left)."""
+    refusal: Optional[ServiceRefused] = None
+    """Set when it refused a weight load (raised once every push has ended)."""
 
 
 @dataclass
@@ -206,8 +208,9 @@ class RemoteEngine:
             t.join()
         self._live()  # none left: RemoteUnavailable
         for s in self.services:
-            if isinstance(s.failure, ServiceRefused):
-                raise s.failure
+            if s.refusal is not None:
+                refusal, s.refusal = s.refusal, None
+                raise refusal
         if previous and previous != self.weights_path:
             Path(previous).unlink(missing_ok=True)
 
@@ -238,7 +241,7 @@ class RemoteEngine:
         except _Down as exc:
             s.alive, s.failure = False, str(exc)
         except ServiceRefused as exc:
-            s.failure = exc
+            s.refusal = exc
 
     def _await_version(self) -> None:
         """Ranks > 0: wait until every live service reports this version (rank 0 writes and pushes it)."""
