@@ -1,8 +1,9 @@
 """GPU check of the FSDP2 training path: optimise-phase tokens/s, MFU and peak memory -> JSON.
 
-STATUS: NOT YET RUN ON A GPU. Written for one prepared run on a lent CUDA machine (an H200 with
-PyTorch 2.11 and no network); its ``--preset tiny --device cpu`` smoke mode is what has run, on
-the CPU development machine, to check the script's own logic. Numbers from it mean nothing.
+STATUS: NOT YET RUN ON A GPU (the ``--remote`` path neither). Written for one prepared run on a lent
+CUDA machine (an H200 with PyTorch 2.11 and no network); its ``--preset tiny --device cpu`` smoke
+mode is what has run, on the CPU development machine, to check the script's own logic (with
+``--remote-only`` too). Numbers from it mean nothing.
 
 What it does, per variant (bf16 mixed precision; + activation checkpointing; + CPU offload):
 build a ~0.5B Qwen2-style model from its config (random init, no download), shard it with
@@ -16,6 +17,7 @@ Launch (one GPU or several; the script makes a one-process group itself if not u
     python -m benchmarks gpu_fsdp_check --out $OUT/gpu_fsdp_check.json
     torchrun --standalone --nproc_per_node 8 benchmarks/gpu_fsdp_check.py --out results.json
     python -m benchmarks gpu_fsdp_check --preset tiny --device cpu --out /tmp/smoke.json   # CPU smoke
+    python -m benchmarks gpu_fsdp_check --remote-only --out $OUT/remote.json   # the rollout-service path
 
 MFU counts model FLOPs only (no recompute): per token 6 x (non-embedding parameters) for the
 matmuls, + 6 x L x T x d for causal attention (QK^T and AV, fwd+bwd, half the T x T scores), and
@@ -74,6 +76,10 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward/backward")
     p.add_argument("--updates", type=int, default=3, help="timed updates per variant (after 1 warm-up)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak per GPU")
+    p.add_argument("--remote", action="store_true",
+                   help="also time the remote-engine path (rank 0): a mugrpo serve --engine hf service on this "
+                        "machine's device, weight syncs through /dev/shm, one generate call (docs/SERVING.md)")
+    p.add_argument("--remote-only", action="store_true", help="the remote path alone (no FSDP variants)")
     return p.parse_args(argv)
 
 
@@ -186,12 +192,76 @@ def run_variant(name: str, overrides: dict, args, world: dist.World) -> dict:
     return out
 
 
+def run_remote(args) -> dict:
+    """The remote path, prepared for the first GPU run (NOT YET RUN ON A GPU): the preset's model (random
+    init, bf16 on cuda) and a character tokenizer saved to a folder, served by ``mugrpo serve --engine hf``
+    in a subprocess on the same device; the trainer side is a ``RemoteEngine``. Times: the service's start,
+    three weight syncs (write to /dev/shm + load in the service), one generate call of
+    ``--prompts-per-update`` prompts x ``--group-size`` samples x 128 new tokens."""
+    import re
+    import subprocess
+    import tempfile
+
+    from mugrpo.models.loading import load_tokenizer
+    from mugrpo.models.tiny import build_char_tokenizer
+    from mugrpo.rollout.engines import SamplingConfig, make_engine
+
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    folder = Path(tempfile.mkdtemp(prefix="mugrpo-remote-check-"))
+    model, _ = build_model(args.preset)
+    model.to(getattr(torch, dtype)).save_pretrained(folder)
+    build_char_tokenizer().save_pretrained(folder)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "mugrpo", "serve", "--engine", "hf", "--model", str(folder),
+                             "--port", "0", "--dtype", dtype, "--batch-size", "1024"], stderr=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        url = None
+        for line in proc.stderr:
+            found = re.search(r"listening on (http://\S+)", line)
+            if found:
+                url = found.group(1)
+                break
+        if url is None:
+            raise RuntimeError("mugrpo serve did not start")
+        start_s = time.perf_counter() - t0
+        cfg = load_config(overrides=["rollout.engine=remote", f"rollout.remote.urls=[{url}]", f"rollout.dtype={dtype}",
+                                     "rollout.batch_size=1024"])
+        engine = make_engine("remote", str(folder), load_tokenizer(str(folder)), cfg.rollout)
+        sync_s = []
+        for _ in range(3):
+            t = time.perf_counter()
+            engine.load_weights(model.named_parameters())
+            sync_s.append(time.perf_counter() - t)
+        prompts = [[5 + (i + j) % 90 for j in range(args.prompt_len)] for i in range(args.prompts_per_update)]
+        t = time.perf_counter()
+        out = engine.generate(prompts, SamplingConfig(n=args.group_size, max_new_tokens=128, seed=0))
+        generate_s = time.perf_counter() - t
+        engine.close()
+        new_tokens = sum(len(c.token_ids) for group in out for c in group)
+        return {"service_start_s": start_s, "weight_sync_s": sync_s, "generate_s": generate_s,
+                "num_new_tokens": new_tokens, "generate_tok_s": new_tokens / generate_s,
+                "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = init_group(args.device)
     results = {"status": "ran", "preset": args.preset, "device": args.device, "variants": []}
     gpu = {"gpu": torch.cuda.get_device_name()} if args.device == "cuda" else {}
-    names = args.variants.split(",")
+    names = [] if args.remote_only else args.variants.split(",")
+    if (args.remote or args.remote_only) and world.is_main:
+        t0 = time.perf_counter()
+        try:
+            results["remote"] = run_remote(args)
+        except Exception as exc:  # noqa: BLE001 - record the failure, go on
+            results["remote"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        results["remote"]["wall_s"] = time.perf_counter() - t0
+        print(json.dumps({k: v for k, v in results["remote"].items() if k != "traceback"}), flush=True)
+        write_result(args.out, "gpu_fsdp_check", results, args, finished=not names, world_size=world.size, **gpu)
     for name in names:
         t0 = time.perf_counter()
         try:

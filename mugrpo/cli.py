@@ -1,5 +1,5 @@
-"""The ``mugrpo`` command: ``train``, ``sft`` (a warm start alone), ``plan`` and ``config`` (``eval`` and
-``report`` live in their modules).
+"""The ``mugrpo`` command: ``train``, ``sft`` (a warm start alone), ``plan`` and ``config`` (``eval``,
+``report`` and ``serve`` live in their modules).
 
 Every verb that takes a config accepts ``--preset NAME``, ``--config FILE.yaml`` and ``key=value``
 overrides of any field (dotted names). Errors in user input exit with status 2 and one message
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 _EXTRA_VERBS: dict[str, tuple[str, str]] = {
     "eval": ("mugrpo.evaluation.cli", "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
     "report": ("mugrpo.observability.report", "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
+    "serve": ("mugrpo.serve", "start a rollout service for rollout.engine=remote (docs/SERVING.md)"),
 }
 
 

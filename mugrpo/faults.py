@@ -12,7 +12,10 @@ before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before 
 ``sft_step`` (after a warm-start optimizer step, before its checkpoint: :mod:`mugrpo.warmstart.phase`),
 ``start`` (the CLI, as soon as its stop handler is held: before any heavy import), ``model_loaded``
 (a phase's model, data and engine built, before its first step), ``phase_end`` (between a run's
-warm start and its RL).
+warm start and its RL),
+``serve_generate`` (a rollout service got a generate request and has not answered it:
+:mod:`mugrpo.rollout.service`). ``MUGRPO_FREEZE_AT="point:n"`` sends SIGSTOP instead: the process
+hangs there, alive but silent (a hung service).
 Unset in normal use; reading one environment variable is the whole cost.
 """
 
@@ -25,7 +28,8 @@ _counts: dict[str, int] = {}
 
 
 def maybe_die(point: str) -> None:
-    for variable, sig in (("MUGRPO_DIE_AT", signal.SIGKILL), ("MUGRPO_STOP_AT", signal.SIGTERM)):
+    for variable, sig in (("MUGRPO_DIE_AT", signal.SIGKILL), ("MUGRPO_STOP_AT", signal.SIGTERM),
+                          ("MUGRPO_FREEZE_AT", getattr(signal, "SIGSTOP", signal.SIGTERM))):
         spec = os.environ.get(variable)
         if not spec:
             continue

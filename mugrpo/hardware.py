@@ -80,7 +80,7 @@ class Resolved:
     engine_dtype: str
     """"float32", "bfloat16" or "float16"."""
     engine: str
-    """"hf" or "vllm"."""
+    """"hf", "vllm" or "remote"."""
     hardware: Hardware
     notes: list[str] = field(default_factory=list)
     """One-line notices and warnings to print at start-up."""

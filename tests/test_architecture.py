@@ -17,7 +17,7 @@ LAYERS = [
     {"kit"},
     {"stages"},
     {"training", "warmstart"},
-    {"api", "cli", "pipeline", "__main__", "__init__"},
+    {"api", "cli", "pipeline", "serve", "__main__", "__init__"},
 ]
 """Bottom to top: a module may import its own layer's and lower layers' modules only (lazily or not)."""
 

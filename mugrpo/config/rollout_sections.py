@@ -214,11 +214,42 @@ class VllmConfig:
 
 
 @dataclass
+class RemoteConfig:
+    """The remote engine's settings, ``rollout.remote.*`` (``rollout.engine=remote``: generation by one
+    or more ``mugrpo serve`` services; read by :mod:`mugrpo.rollout.engines.remote` only; docs/SERVING.md)."""
+
+    urls: list = field(default_factory=list, metadata=SAFE)
+    """The services, e.g. ``[http://127.0.0.1:8100, http://10.0.0.7:8100]``; each must answer at start.
+    A stage's prompts are split across them in contiguous parts. A resume may name other services."""
+    weights_dir: Optional[str] = field(default=None, metadata=SAFE)
+    """A folder the trainer and every service can read: each weight sync writes one safetensors file
+    there, which the services load. null: ``/dev/shm/mugrpo-weights`` where ``/dev/shm`` exists (one
+    machine), else ``mugrpo-weights`` in the system temp folder. Several machines: a shared file system."""
+    timeout_s: float = field(default=30.0, metadata=SAFE)
+    """A service that does not answer for this long (a connection, or its /info while it generates) is
+    taken as dead: its requests go to another service."""
+    retries: int = field(default=3, metadata=SAFE)
+    """How many times one part of a generate call may be moved to another service after its service
+    failed; past it (or with no service left) the run stops with the --resume command."""
+
+    def validate(self) -> None:
+        check(isinstance(self.urls, list) and all(isinstance(u, str) and u.startswith(("http://", "https://"))
+                                                 for u in self.urls),
+              "rollout.remote.urls", "a list of service URLs like http://HOST:PORT", self.urls)
+        check(0 < self.timeout_s < math.inf, "rollout.remote.timeout_s", "a finite number of seconds > 0",
+              self.timeout_s)
+        check(isinstance(self.retries, int) and self.retries >= 0, "rollout.remote.retries", "an integer >= 0",
+              self.retries)
+
+
+@dataclass
 class RolloutConfig:
     engine: str = "auto"
-    """``auto``, or an engine of the registry ``mugrpo.rollout.engines.ENGINES`` (``hf``, ``vllm``). ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
+    """``auto``, or an engine of the registry ``mugrpo.rollout.engines.ENGINES`` (``hf``, ``vllm``, ``remote``).
+    ``auto``: vLLM where it is installed (its prefix caching prefills each group's prompt once),
     else the HF engine, with a one-line notice at start. ``hf``: transformers ``generate``
-    (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing."""
+    (prefills each prompt once per group too); ``vllm``: fails at start if vLLM is missing; ``remote``:
+    ``mugrpo serve`` services at ``rollout.remote.urls`` (docs/SERVING.md)."""
     group_size: int = 8
     """G: responses sampled per prompt."""
     prompts_per_stage: Optional[int] = None
@@ -248,6 +279,8 @@ class RolloutConfig:
     resolves to bf16, else float32), resolved at start and printed in the plan."""
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """The vLLM engine's own settings (``rollout.vllm.*``; ignored by the HF engine)."""
+    remote: RemoteConfig = field(default_factory=RemoteConfig)
+    """The remote engine's settings (``rollout.remote.*``; used with ``rollout.engine=remote``)."""
 
     def validate(self) -> None:
         check(self.group_size >= 2, "rollout.group_size", "an integer >= 2 (advantages need a group)",
@@ -270,6 +303,11 @@ class RolloutConfig:
         check(self.engine in ("auto", *ENGINES.names()), "rollout.engine", f"one of {', '.join(('auto', *ENGINES.names()))}",
                self.engine)
         self.vllm.validate()
+        self.remote.validate()
+        if self.engine == "remote" and not self.remote.urls:
+            raise ConfigError("rollout.engine=remote needs rollout.remote.urls, e.g. "
+                              "rollout.remote.urls=[http://127.0.0.1:8100] (start one with mugrpo serve; "
+                              "docs/SERVING.md)")
 
 
 

@@ -25,7 +25,7 @@ from mugrpo.algo.registries import (AGGREGATIONS, AGGREGATORS, CLIP_MODES, CORRE
                                     RATIO_LEVELS, RATIO_MODES, SURROGATES, VETO_SCOPES)
 from mugrpo.config.checks import SAFE, check, check_registered
 from mugrpo.config.rollout_sections import (DEFAULT_FEW_SHOT, DEFAULT_INSTRUCTION, EnvConfig, ModelConfig,
-                                            RolloutConfig, TaskConfig, VllmConfig)
+                                            RemoteConfig, RolloutConfig, TaskConfig, VllmConfig)
 from mugrpo.config.warmstart_section import WarmstartConfig
 from mugrpo.errors import ConfigError
 
@@ -33,7 +33,7 @@ __all__ = [  # the sections of rollout_sections are re-exported: every section i
     "ADAPTIVE_GUARDS", "AGGREGATIONS", "MAX_ASYNC_STAGES", "BEHAVIOR_LOGPROBS", "CLIP_MODES", "DEFAULT_FEW_SHOT", "DEFAULT_INSTRUCTION",
     "LOGGERS", "LORA_DEFAULT_TARGETS", "RATIO_LEVELS", "VETO_NORMALIZERS", "VETO_SCOPES", "CheckpointConfig",
     "Config", "EnvConfig", "EvalConfig", "LogConfig", "LoraConfig", "LossConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "RolloutConfig", "ScheduleConfig", "TaskConfig", "TrainConfig", "VllmConfig",
+    "ParallelConfig", "RemoteConfig", "RolloutConfig", "ScheduleConfig", "TaskConfig", "TrainConfig", "VllmConfig",
     "WarmstartConfig",
 ]
 

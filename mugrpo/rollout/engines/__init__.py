@@ -18,6 +18,7 @@ from mugrpo.registry import Registry
 ENGINES = Registry("rollout.engine", {
     "hf": "mugrpo.rollout.engines.hf:HFEngine",
     "vllm": "mugrpo.rollout.engines.vllm:VLLMEngine",
+    "remote": "mugrpo.rollout.engines.remote:RemoteEngine",
 })
 
 __all__ = ["ENGINES", "Completion", "RolloutEngine", "SamplingConfig", "build_engine", "make_engine",

@@ -211,7 +211,11 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig,
                  progress: Optional[ProgressFn] = None,
-                 max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
+                 max_new_tokens: Optional[list[int]] = None, first_chunk: int = 0) -> list[list[Completion]]:
+        """``first_chunk`` (not in the engine interface): the index of this call's first chunk of
+        ``rollout.batch_size`` sequences in a larger call split at chunk boundaries (a rollout service's
+        part of a remote call, :mod:`mugrpo.rollout.engines.remote`): each chunk's seed follows its index
+        in the whole call, so the parts sample what one call would."""
         greedy = sampling.temperature == 0
         # Neutral sampling values: generate then adds no warper of its own (ours run in
         # logits_processor, before the recorder). None for greedy, where generate warps nothing.
@@ -227,7 +231,7 @@ class HFEngine:
         # fork_rng: sampling must not move the trainer's global RNG (reproducible resume).
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for chunk_idx, start in enumerate(range(0, len(prompts), prompts_per_call)):
-                torch.manual_seed(derive(sampling.seed, "hf-generate-call", chunk_idx))
+                torch.manual_seed(derive(sampling.seed, "hf-generate-call", first_chunk + chunk_idx))
                 chunk = prompts[start:start + prompts_per_call]
                 limits = None if max_new_tokens is None else max_new_tokens[start:start + prompts_per_call]
                 out.extend(self._generate_chunk(chunk, sampling, gen_cfg, limits, progress))
