@@ -96,6 +96,20 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
+def _num_shards(marker: Path) -> int:
+    """``shards.json``'s ``num_shards``; ValueError naming the file when it is not such a file."""
+    try:
+        value = json.loads(marker.read_text())["num_shards"]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # not JSON, not UTF-8, no such key
+        raise ValueError(f"{marker} is not a stage's shard list ({type(exc).__name__}: {exc}); "
+                         "it should read {\"num_shards\": N}. The run directory is damaged: "
+                         "move that stage folder away, or give another run") from exc
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{marker} gives num_shards={value!r}, not an integer >= 0; the run directory is "
+                         "damaged: move that stage folder away, or give another run")
+    return value
+
+
 def select_from_run(run_dir: str | Path, min_reward: float, finished_only: bool = True) -> tuple[list[Example], dict]:
     """The trajectories of ``run_dir``'s complete stages with reward >= ``min_reward``, and the counts
     ``num_total`` (trajectories read), ``num_kept``, ``num_unfinished`` (rewarded enough but cut at
@@ -113,7 +127,7 @@ def select_from_run(run_dir: str | Path, min_reward: float, finished_only: bool 
             continue
         stage = int(folder.name.split("_")[-1])
         counts["num_stages"] += 1
-        for shard in range(int(json.loads(marker.read_text())["num_shards"])):
+        for shard in range(_num_shards(marker)):
             data = StageData.load(shard_path(folder, shard))
             for s, response in enumerate(data.responses):
                 counts["num_total"] += 1
