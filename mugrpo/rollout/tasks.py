@@ -34,6 +34,7 @@ import torch
 from mugrpo.errors import TaskError
 from mugrpo.rollout import TASK_KINDS
 from mugrpo.rollout.rewards import RewardFn, ScoreStats, make_reward, score
+from mugrpo.rollout.text_cut import char_limit, cut_messages
 
 __all__ = ["Item", "Task", "TaskError", "ScoreStats", "build_task", "clean_split", "extract_boxed", "prompt_ids"]
 
@@ -462,8 +463,12 @@ def prompt_ids(tokenizer, prompt: str | list, task_cfg) -> list[int]:
     """Token ids of the rendered prompt (chat template with generation prompt, or plain text).
 
     ``prompt`` is a question (rendered with the task's instruction, few-shot turns and system
-    prompt) or a list of chat messages (used as they are): an :attr:`Item.prompt`."""
+    prompt) or a list of chat messages (used as they are): an :attr:`Item.prompt`. A message longer than
+    the characters ``task.max_prompt_tokens`` can use is cut to its end first
+    (:func:`mugrpo.rollout.text_cut.char_limit`): such a prompt is over the limit either way, and
+    ``task.prompt_too_long`` acts on it (and counts it) as on any other."""
     messages = prompt if isinstance(prompt, list) else render_messages(prompt, task_cfg)
+    messages = cut_messages(messages, char_limit(tokenizer, task_cfg.max_prompt_tokens), keep="end")[0]
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
