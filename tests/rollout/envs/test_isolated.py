@@ -3,14 +3,20 @@ environment lives in a worker process with its state; a process exit or a spin i
 trajectory, counted, and the run goes on; the start-up check names an environment whose constructor
 exits. Real worker processes, no stand-ins."""
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
+from memory_peak import TESTS
 
+from conftest import TINY_OVERRIDES
 from hostile_envs import Counting, ExitsWhenMade
 from mugrpo.config import ConfigError, load_config
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.build import build_env_factory, describe_env
 from mugrpo.rollout.envs.isolated import ProcessEnvironment
+from mugrpo.observability.loggers import read_metrics
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, first_problems, loop_counts, run_trajectories
 
 EOS = 2
@@ -95,3 +101,27 @@ def test_step_isolation_is_validated():
         load_config(overrides=["env.step_isolation=fork"])
 
 
+
+
+def _run(tmp_path, tiny_model_dir, *extra):
+    env = {**os.environ, "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "mugrpo", "train", "--run-dir", str(tmp_path / "run"),
+                           f"model.name={tiny_model_dir}", *TINY_OVERRIDES, "schedule.total_updates=1",
+                           "schedule.num_stages=1", "schedule.prompts_per_update=2", "rollout.group_size=2",
+                           "eval.num_items=0", "train.threads=1", *extra], capture_output=True, text=True, env=env)
+
+
+def test_a_run_survives_a_process_exit_in_every_step_and_counts_it(tmp_path, tiny_model_dir):
+    r = _run(tmp_path, tiny_model_dir, "task.env=hostile_envs:Counting", "task.env_args={exit_at: 1}",
+             "env.step_isolation=process")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "environment isolation" in r.stdout and "env.step_isolation=process" in r.stdout
+    (stage,) = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if m["kind"] == "stage"]
+    # 2 prompts x 2 trajectories: each that reached a step (its turn not cut at the token budget) lost its worker
+    assert stage["env/num_env_error"] >= 1 and stage["env/num_env_error"] + stage["env/num_length"] == 4.0
+
+
+def test_under_thread_isolation_a_constructor_that_exits_is_named_before_the_exit(tmp_path, tiny_model_dir):
+    r = _run(tmp_path, tiny_model_dir, "task.env=hostile_envs:ExitsWhenMade")
+    assert r.returncode == 9  # os._exit cannot be caught in the process: docs/ENVIRONMENTS.md says so
+    assert "making two environments with ExitsWhenMade (env.step_isolation=thread)" in r.stderr
