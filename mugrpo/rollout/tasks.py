@@ -285,7 +285,8 @@ def _check_json_depth(path: Path) -> None:
     depth = level = 0
     for start in range(0, len(data), 1 << 22):  # in chunks: a few bytes of memory per byte of the file at most
         chunk = data[start:start + (1 << 22)]
-        step = ((chunk == ord("[")) | (chunk == ord("{"))).astype(np.int32) - ((chunk == ord("]")) | (chunk == ord("}")))
+        opens = (chunk == ord("[")) | (chunk == ord("{"))
+        step = opens.astype(np.int32) - ((chunk == ord("]")) | (chunk == ord("}")))
         levels = level + np.cumsum(step)
         depth, level = max(depth, int(levels.max())), int(levels[-1])
     if depth > MAX_JSON_DEPTH:

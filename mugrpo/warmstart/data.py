@@ -207,9 +207,10 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None, split_calls: boo
             message = _plain_message(m, j, where)
             if message["role"] == "tool":
                 if not pending:
+                    why = "has no call left unanswered" if turns[-1].calls_tool else "calls no tool"
                     raise DemonstrationError(
                         f"{where}: message {j} is a tool reply that answers no call (message {caller}, the assistant "
-                        f"message before it, {'has no call left unanswered' if turns[-1].calls_tool else 'calls no tool'})"
+                        f"message before it, {why})"
                         "; the rollout loop never produces that sequence (after an answer without a call the "
                         "trajectory ends; one call gets one reply): drop the message or add the call")
                 message["name"] = m.get("name") or pending[0]
