@@ -333,6 +333,12 @@ class EnvConfig:
     """Where ``task.tools`` calls run: ``thread`` (cheap; a call that holds the GIL, e.g. a catastrophic
     regex, stalls the others until it returns) or ``process`` (a worker process per running call, killed
     at ``env.tool_timeout_s``: every call ends on time; the tools must pickle). docs/ENVIRONMENTS.md."""
+    step_isolation: Literal["thread", "process"] = "thread"
+    """Where environments run: ``thread`` (in the trainer's process: an exception or a hang in a step is
+    caught, but ``os._exit``, a native crash or a step holding the GIL ends or stalls the run) or
+    ``process`` (each environment made in a worker process of its own, its state kept there, killed at
+    ``env.step_timeout_s``: a worker that dies ends one trajectory, counted in ``env/num_env_error``;
+    the environment must pickle). docs/ENVIRONMENTS.md."""
     max_observation_chars: int = 20000
     """An environment message (an observation, a tool result) longer than this is cut to it before it is
     tokenized, counted in ``env/num_truncated_observations``."""
@@ -351,6 +357,8 @@ class EnvConfig:
               self.reset_timeout_s)
         check(self.tool_isolation in ("thread", "process"), "env.tool_isolation", "thread, process",
               self.tool_isolation)
+        check(self.step_isolation in ("thread", "process"), "env.step_isolation", "thread, process",
+              self.step_isolation)
         check(self.max_observation_chars >= 1, "env.max_observation_chars", "an integer >= 1",
               self.max_observation_chars)
         check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1, "env.max_tokens_per_turn",

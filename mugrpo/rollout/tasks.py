@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -33,6 +34,7 @@ import torch
 from mugrpo.errors import TaskError
 from mugrpo.rollout import TASK_KINDS
 from mugrpo.rollout.rewards import RewardFn, ScoreStats, make_reward, score
+from mugrpo.rollout.text_cut import char_limit, cut_messages
 
 __all__ = ["Item", "Task", "TaskError", "ScoreStats", "build_task", "clean_split", "extract_boxed", "prompt_ids"]
 
@@ -250,6 +252,8 @@ def load_rows(name: str, split: str = "train", subset: Optional[str] = None) -> 
                 raise TaskError(f"dataset file {name!r} does not exist")
             if path.stat().st_size == 0:
                 raise TaskError(f"dataset file {name!r} is empty")
+            if suffix in (".json", ".jsonl"):
+                _check_json_depth(path)
             ds = datasets.load_dataset(_FILE_FORMATS[suffix], data_files=str(path), split="train")
         else:
             ds = datasets.load_dataset(name, subset, split=split)
@@ -264,6 +268,30 @@ def load_rows(name: str, split: str = "train", subset: Optional[str] = None) -> 
         detail = f"{exc}" if cause is exc else f"{exc} Cause: {type(cause).__name__}: {cause}"
         raise TaskError(f"could not load dataset {name!r} (split {split!r}): {' '.join(detail.split())}") from exc
     return list(ds)
+
+
+MAX_JSON_DEPTH = 100
+"""Nesting levels a .json / .jsonl dataset may have: the JSON readers recurse once per level (Python's
+raises RecursionError near 1000 levels, pyarrow's native reader crashes the process near 20000)."""
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _check_json_depth(path: Path) -> None:
+    """TaskError when the file nests arrays or objects more than :data:`MAX_JSON_DEPTH` levels deep,
+    checked before any JSON reader sees it (the strings' contents do not count)."""
+    import numpy as np
+
+    data = np.frombuffer(_JSON_STRING.sub(b'""', path.read_bytes()), dtype=np.uint8)
+    depth = level = 0
+    for start in range(0, len(data), 1 << 22):  # in chunks: a few bytes of memory per byte of the file at most
+        chunk = data[start:start + (1 << 22)]
+        opens = (chunk == ord("[")) | (chunk == ord("{"))
+        step = opens.astype(np.int32) - ((chunk == ord("]")) | (chunk == ord("}")))
+        levels = level + np.cumsum(step)
+        depth, level = max(depth, int(levels.max())), int(levels[-1])
+    if depth > MAX_JSON_DEPTH:
+        raise TaskError(f"dataset file {str(path)!r} nests arrays or objects {depth} levels deep (at most "
+                        f"{MAX_JSON_DEPTH} are read): the JSON readers recurse once per level. Flatten the data")
 
 
 def _check_jsonl_rows(path: Path) -> None:
@@ -342,6 +370,7 @@ def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
             continue
         messages = prompt if isinstance(prompt, list) else None
         question = "\n".join(str(m["content"]) for m in messages) if messages else str(prompt)
+        _check_unicode(question, f"{source}, row {i}: the prompt")
         items.append(Item(question, answer, dict(row), messages))
     if num_bad:
         print(f"[mugrpo] warning: skipped {num_bad} of {len(rows)} rows of {source} with an empty "
@@ -349,6 +378,16 @@ def items_from_rows(rows: list, task_cfg, source: str) -> list[Item]:
     if not items:
         raise TaskError(f"{source}: no row has " + ("both a prompt and an answer" if need_answer else "a prompt"))
     return items
+
+
+def _check_unicode(text: str, where: str) -> None:
+    """TaskError when ``text`` holds a lone surrogate (``"\\ud800"``: JSON can write one, no tokenizer
+    takes it), found when the data load, not once the model has."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TaskError(f"{where} holds a lone surrogate {text[exc.start]!r} at character {exc.start} (half of a "
+                        "UTF-16 pair, not a character); fix the text") from exc
 
 
 def _answer_of(row: dict, answer_key: Optional[str]) -> str:
@@ -425,8 +464,12 @@ def prompt_ids(tokenizer, prompt: str | list, task_cfg) -> list[int]:
     """Token ids of the rendered prompt (chat template with generation prompt, or plain text).
 
     ``prompt`` is a question (rendered with the task's instruction, few-shot turns and system
-    prompt) or a list of chat messages (used as they are): an :attr:`Item.prompt`."""
+    prompt) or a list of chat messages (used as they are): an :attr:`Item.prompt`. A message longer than
+    the characters ``task.max_prompt_tokens`` can use is cut to its end first
+    (:func:`mugrpo.rollout.text_cut.char_limit`): such a prompt is over the limit either way, and
+    ``task.prompt_too_long`` acts on it (and counts it) as on any other."""
     messages = prompt if isinstance(prompt, list) else render_messages(prompt, task_cfg)
+    messages = cut_messages(messages, char_limit(tokenizer, task_cfg.max_prompt_tokens), keep="end")[0]
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):

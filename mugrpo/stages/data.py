@@ -45,6 +45,7 @@ class StageDataError(UserError, RuntimeError):
 
     def __init__(self, path: Path, cause: BaseException):
         path, why = Path(path), " ".join(str(cause).split()) or type(cause).__name__
+        self.path, self.why = path, why
         super().__init__(f"stage data file {path} cannot be read ({why}): "
                          f"damaged or incomplete. Delete the folder {path.parent} and resume (mugrpo train "
                          "--resume RUN_DIR): that stage's data is then generated again, by the resumed policy")

@@ -37,7 +37,7 @@ def read_marker(stage_dir: Path) -> dict | None:
         meta = json.loads(marker.read_text())
         if int(meta["num_shards"]) < 1:
             raise ValueError(f"it lists no shards (num_shards={meta['num_shards']})")
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
         raise StageDataError(marker, exc) from exc
     return meta
 

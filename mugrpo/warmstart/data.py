@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -107,35 +109,38 @@ def read_rows(source) -> list[dict]:
     if isinstance(source, (str, Path)):
         return _read_file(Path(source))
     try:
-        return [dict(row) for row in source]
-    except (TypeError, ValueError) as exc:
+        rows = list(source)
+    except TypeError as exc:
         raise DemonstrationError(f"demonstrations must be a datasets.Dataset, a list of dicts or a file path, "
-                                 f"not {type(source).__name__} ({exc})") from exc
+                                 f"not {type(source).__name__}") from exc
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise DemonstrationError(f"demonstration row {i} is a {type(row).__name__}, not a dict; each row is a "
+                                     'dict such as {"messages": [...]} or {"prompt": ..., "completion": ...}')
+    return [dict(row) for row in rows]
 
 
 def _read_file(path: Path) -> list[dict]:
-    if not path.is_file():
+    if not path.exists():
         raise DemonstrationError(f"demonstration file {path} does not exist")
-    if path.suffix == ".parquet":
+    if not path.is_file():
+        raise DemonstrationError(f"demonstration file {path} is not a regular file (a folder, a device or a pipe); "
+                                 "give a .jsonl, .json or .parquet file")
+    suffix = path.suffix.lower()  # demos.JSONL is a jsonl file too, as the RL dataset loader reads it
+    if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
+    if suffix not in (".json", ".jsonl"):
+        raise DemonstrationError(f"{path}: demonstrations are read from .jsonl, .json or .parquet files")
     text = path.read_text()
-    if path.suffix == ".json":
-        rows = json.loads(text)
+    if suffix == ".json":
+        rows = _json(text, f"{path}", "")
         if not isinstance(rows, list):
             raise DemonstrationError(f"{path}: a .json file of demonstrations must hold a list of rows")
         return rows
-    if path.suffix != ".jsonl":
-        raise DemonstrationError(f"{path}: demonstrations are read from .jsonl, .json or .parquet files")
-    rows = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise DemonstrationError(f"{path}, line {n}: not JSON ({exc.msg})") from exc
-    return rows
+    return [_json(line, f"{path}, line {n}", "") for n, line in enumerate(text.splitlines(), start=1)
+            if line.strip()]
 
 
 def _describe(source) -> str:
@@ -152,6 +157,9 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None, split_calls: boo
     if not isinstance(row, dict):
         raise DemonstrationError(f"{where} is a {type(row).__name__}, not a dict")
     messages = _row_messages(row, where, task_cfg)
+    for j, m in enumerate(messages):
+        if isinstance(m, dict):
+            _calls_of(m, j, where)
     if split_calls:
         try:
             messages = split_parallel_calls(messages)
@@ -160,9 +168,11 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None, split_calls: boo
     row_tools = _row_tools(row.get("tools"), where)
     tools = row_tools if row_tools is not None else tools
     names = [tool_name(t) for t in tools]
-    if None in names:
-        raise DemonstrationError(f"{where}: a tool is neither a named function nor a JSON schema "
-                                 '{"type": "function", "function": {"name": ...}}')
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise DemonstrationError(f"{where}: a tool is neither a named function nor a JSON schema "
+                                     '{"type": "function", "function": {"name": ...}} with a name that is a '
+                                     f"non-empty string (its name: {name!r})")
     by_name = dict(zip(names, tools))
     roles = [_role(m, j, where) for j, m in enumerate(messages)]
     first = next((j for j, role in enumerate(roles) if role == "assistant"), None)
@@ -172,20 +182,39 @@ def parse_row(row: Any, index: int, tools: list, task_cfg=None, split_calls: boo
         raise DemonstrationError(f"{where} starts with an assistant message: the prompt (the messages before "
                                  "the first assistant message) is empty")
     prompt = [_plain_message(m, j, where) for j, m in enumerate(messages[:first])]
+    tool_in_prompt = next((j for j, role in enumerate(roles[:first]) if role == "tool"), None)
+    if tool_in_prompt is not None:
+        raise DemonstrationError(f"{where}: message {tool_in_prompt} is a tool reply in the prompt (before the first "
+                                 "assistant message), where no call was made; a tool reply follows the assistant "
+                                 "message that calls the tool")
     turns: list[PolicyTurn] = []
     pending: list[str] = []  # names of the calls still waiting for a tool reply
+    caller = first  # the assistant message whose calls are pending
     for j in range(first, len(messages)):
         m = messages[j]
         if roles[j] == "assistant":
             if j > first and roles[j - 1] == "assistant":
                 raise DemonstrationError(f"{where}: messages {j - 1} and {j} are both assistant messages; a policy "
                                          "turn is followed by the environment's turn (merge them into one)")
+            if pending:
+                raise DemonstrationError(f"{where}: message {caller} calls {pending[0]!r}, but no tool reply answers "
+                                         f"it before message {j}; at rollout every call is answered by a tool "
+                                         "message before the next assistant turn")
             turn, pending = _policy_turn(m, j, where, by_name)
             turns.append(turn)
+            caller = j
         else:
             message = _plain_message(m, j, where)
             if message["role"] == "tool":
-                message["name"] = m.get("name") or (pending.pop(0) if pending else "unknown")
+                if not pending:
+                    why = "has no call left unanswered" if turns[-1].calls_tool else "calls no tool"
+                    raise DemonstrationError(
+                        f"{where}: message {j} is a tool reply that answers no call (message {caller}, the assistant "
+                        f"message before it, {why})"
+                        "; the rollout loop never produces that sequence (after an answer without a call the "
+                        "trajectory ends; one call gets one reply): drop the message or add the call")
+                message["name"] = m.get("name") or pending[0]
+                pending.pop(0)
             turns[-1].env.append(message)
     if not any(t.train for t in turns):
         raise DemonstrationError(f"{where}: every assistant message has {TRAIN_KEY}=false: nothing to train on")
@@ -262,11 +291,14 @@ def _row_tools(value, where: str) -> Optional[list]:
     return tools
 
 
-def _json(text: str, what: str):
+def _json(text: str, what: str, kind: str = "a string that is "):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DemonstrationError(f"{what}: a string that is not JSON ({exc.msg})") from exc
+        raise DemonstrationError(f"{what}: {kind}not JSON ({exc.msg})") from exc
+    except RecursionError as exc:  # json's decoder recurses once per level: a hostile file ends here
+        raise DemonstrationError(f"{what}: JSON nested too deeply to read (more than about "
+                                 f"{sys.getrecursionlimit()} levels); flatten it") from exc
 
 
 def _role(m, j: int, where: str) -> str:
@@ -286,7 +318,18 @@ def _content(m: dict, j: int, where: str) -> str:
     if not isinstance(content, str):
         raise DemonstrationError(f"{where}: message {j} ({m['role']}) has content of type {type(content).__name__}; "
                                  "give text")
-    return content
+    return check_text(content, f"{where}: message {j} ({m['role']})")
+
+
+def check_text(text: str, where: str) -> str:
+    """``text``, or DemonstrationError when it is not valid Unicode (a lone surrogate such as ``"\\ud800"``,
+    which JSON can write and no tokenizer takes): found here, at load, not after the model has loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DemonstrationError(f"{where}: the text holds a lone surrogate {text[exc.start]!r} at character "
+                                 f"{exc.start} (half of a UTF-16 pair, not a character); fix the text") from exc
+    return text
 
 
 def _train(m: dict, j: int, where: str) -> bool:
@@ -315,10 +358,11 @@ def _plain_message(m, j: int, where: str) -> dict:
 def _policy_turn(m: dict, j: int, where: str, tools: dict) -> tuple[PolicyTurn, list[str]]:
     """The turn's text (content, then its call), checked as the rollout loop would parse it."""
     content, train = _content(m, j, where), _train(m, j, where)
-    calls = [_structured_call(c, j, where) for c in (m.get("tool_calls") or [])]
+    calls = [_structured_call(c, j, where) for c in _calls_of(m, j, where)]
     text = content
     for name, arguments in calls:
         text += ("\n" if text else "") + tool_call_text(name, arguments)
+    check_text(text, f"{where}: message {j} (assistant, its tool call)")
     parsed = parse_tool_calls(text)
     for call in parsed:
         if call.error is not None:
@@ -335,10 +379,24 @@ def _policy_turn(m: dict, j: int, where: str, tools: dict) -> tuple[PolicyTurn, 
     return PolicyTurn(text, bool(parsed), train), [c.name for c in parsed]
 
 
+def _calls_of(m: dict, j: int, where: str) -> list:
+    """The message's ``tool_calls`` as a list ([] when it has none); DemonstrationError for another type."""
+    calls = m.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise DemonstrationError(f"{where}: message {j} has tool_calls of type {type(calls).__name__}; give a list "
+                                 'of calls, [{"type": "function", "function": {"name": ..., "arguments": {...}}}] '
+                                 "(one call is a list of one)")
+    return calls
+
+
 def _structured_call(call, j: int, where: str) -> tuple[str, dict]:
     fn = call.get("function", call) if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise DemonstrationError(f"{where}: message {j} has a tool call without a name; the shape is "
+        given = (f"a {type(call).__name__}" if not isinstance(fn, dict)
+                 else f"a name of type {type(fn.get('name')).__name__}" if "name" in fn else "no name")
+        raise DemonstrationError(f"{where}: message {j} has a tool call without a name ({given}); the shape is "
                                  '{"type": "function", "function": {"name": ..., "arguments": {...}}}')
     arguments = fn.get("arguments")
     if arguments is None:

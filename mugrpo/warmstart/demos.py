@@ -30,6 +30,7 @@ from typing import Callable, Optional
 from mugrpo.rollout.envs.builtin import calculate, evaluate_arithmetic
 from mugrpo.rollout.envs.tools import ToolEnvironment, tool_schemas
 from mugrpo.run_dir import RunDir
+from mugrpo.stages.data import StageDataError
 from mugrpo.stages.shards import read_stage
 from mugrpo.warmstart.data import tool_call_text
 from mugrpo.warmstart.render import Example
@@ -108,7 +109,11 @@ def select_from_run(run_dir: str | Path, min_reward: float, finished_only: bool 
     examples: list[Example] = []
     counts = {"num_total": 0, "num_kept": 0, "num_unfinished": 0, "num_stages": 0, "reward_max": None}
     for folder in sorted(RunDir(run_dir).stages.glob("stage_*")):
-        parts = read_stage(folder)  # checksums verified: a damaged shard is an error naming it
+        try:
+            parts = read_stage(folder)  # checksums verified: a damaged shard is an error naming it
+        except StageDataError as exc:
+            raise ValueError(f"{exc.path} cannot be read ({exc.why}): the run directory is damaged; move that "
+                             "stage folder away, or give another run") from exc
         if parts is None:
             continue
         stage = int(folder.name.split("_")[-1])

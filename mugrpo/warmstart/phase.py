@@ -109,7 +109,9 @@ class WarmStart:
                 print(f"[mugrpo] warm start (rejection sampling): {source.describe()}")
             print(f"[mugrpo] warm start: {counts['num_demonstrations']} examples, {counts['num_truncated']} "
                   f"cut to max_length={max_length} tokens, {counts['num_dropped']} dropped (no trained token left), "
-                  f"{counts['num_loss_tokens']} trained tokens")
+                  f"{counts['num_loss_tokens']} trained tokens"
+                  + (f"; {counts['num_cut_texts']} texts cut by characters before tokenizing (docs/WARMSTART.md)"
+                     if counts.get("num_cut_texts") else ""))
         if not examples:
             raise DemonstrationError(f"every demonstration in {ws.data} was dropped: none has a trained token within "
                                      f"warmstart.max_length={max_length} tokens; raise warmstart.max_length")

@@ -26,6 +26,14 @@ with the stop string, which is how mugrpo samples it.
 ``max_length`` (TRL's ``max_length``, keep-start; as a rollout cut at its token budget); one with no
 trained token left (the prompt alone fills it) is dropped. Both are counted.
 
+**Cut by characters first.** Before any text is tokenized, each message and each policy turn's text
+is cut to the characters ``max_length`` tokens can use (:func:`mugrpo.rollout.text_cut.char_limit`:
+``max_length`` times the vocabulary's longest token, plus one), keeping its start, and rendering
+stops once the example is past ``max_length`` tokens: a 10 MB message is never tokenized whole. A
+cut text still takes more than ``max_length`` tokens, so the kept example (and its loss mask) is the
+one the token rule keeps from the whole text; the turns after a cut are past the limit and dropped
+with it. Cuts are counted (``num_cut_texts``); a cut example is also counted as truncated.
+
 This module knows nothing about optimisers or models: :class:`Example` is the input of a training
 step that lives elsewhere.
 """
@@ -36,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from mugrpo.rollout.envs import render as rollout_render
+from mugrpo.rollout.text_cut import char_limit, cut_messages, cut_text
 from mugrpo.warmstart.data import Demonstration, DemonstrationError
 
 __all__ = ["ENV_TURN", "Example", "render_demonstration", "render_demonstrations", "hold_to_length", "truncate"]
@@ -71,12 +80,23 @@ class Example:
         return sum(self.response_mask)
 
 
-def render_demonstration(tokenizer, demo: Demonstration) -> Example:
-    """``demo`` as ids, mask and turns (the module docstring says how)."""
+def render_demonstration(tokenizer, demo: Demonstration, max_length: Optional[int] = None) -> Example:
+    """``demo`` as ids, mask and turns (the module docstring says how); with ``max_length``, its texts
+    cut by characters first and the turns past ``max_length`` tokens left out (:func:`truncate` still
+    holds it to the limit)."""
+    return _render(tokenizer, demo, max_length)[0]
+
+
+def _render(tokenizer, demo: Demonstration, max_length: Optional[int]) -> tuple[Example, int]:
+    """The example, and how many of its texts were cut by characters."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DemonstrationError("the tokenizer has no eos_token: a final answer must end with one")
-    prompt = rollout_render.prompt_ids(tokenizer, demo.prompt, demo.tools)
+    max_chars = None if max_length is None else char_limit(tokenizer, max_length)
+    prompt_messages, num_cut = demo.prompt, 0
+    if max_chars is not None:
+        prompt_messages, num_cut = cut_messages(demo.prompt, max_chars)
+    prompt = rollout_render.prompt_ids(tokenizer, prompt_messages, demo.tools)
     response: list[int] = []
     turns: list[int] = []
     mask: list[int] = []
@@ -87,11 +107,18 @@ def render_demonstration(tokenizer, demo: Demonstration) -> Example:
         mask.extend([int(trained)] * len(ids))
 
     for k, turn in enumerate(demo.turns):
-        ids = tokenizer(turn.text, add_special_tokens=False)["input_ids"]
+        if max_length is not None and len(prompt) + len(response) >= max_length:
+            break  # the rest is past the limit: the token rule would cut it
+        text, env = turn.text, turn.env
+        if max_chars is not None:
+            text, cut = cut_text(text, max_chars)
+            env, env_cut = cut_messages(env, max_chars)
+            num_cut += cut + env_cut
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         add(list(ids) + ([] if turn.calls_tool else [eos]), k, turn.train)
-        if turn.env:
-            add(rollout_render.env_turn_ids(tokenizer, turn.env, ended_with_eos=not turn.calls_tool), ENV_TURN, False)
-    return Example(list(prompt), response, turns, mask, demo.index)
+        if env:
+            add(rollout_render.env_turn_ids(tokenizer, env, ended_with_eos=not turn.calls_tool), ENV_TURN, False)
+    return Example(list(prompt), response, turns, mask, demo.index), num_cut
 
 
 def truncate(example: Example, max_length: int) -> Optional[Example]:
@@ -108,8 +135,11 @@ def truncate(example: Example, max_length: int) -> Optional[Example]:
 def render_demonstrations(tokenizer, demos: list[Demonstration], max_length: int) -> tuple[list[Example], dict]:
     """Every demonstration rendered and held to ``max_length`` tokens, and the counts:
     ``num_demonstrations``, ``num_truncated`` (kept, cut), ``num_dropped`` (nothing trained left),
-    ``num_loss_tokens`` (over the kept examples)."""
-    return hold_to_length([render_demonstration(tokenizer, demo) for demo in demos], max_length)
+    ``num_loss_tokens`` (over the kept examples), ``num_cut_texts`` (texts cut by characters before
+    they were tokenized)."""
+    rendered = [_render(tokenizer, demo, max_length) for demo in demos]
+    examples, counts = hold_to_length([example for example, _ in rendered], max_length)
+    return examples, {**counts, "num_cut_texts": sum(n for _, n in rendered)}
 
 
 def hold_to_length(examples: list[Example], max_length: int) -> tuple[list[Example], dict]:

@@ -107,10 +107,17 @@ def _from_run(cfg: Config, run: Path) -> Source:
         raise DemonstrationError(f"warmstart.data={run} is a folder without config.yaml: give a demonstrations file, "
                                  "or the run directory of an earlier mugrpo run (config.yaml and stages/)")
     _check_same_model(cfg, run, read_run_config(run, f"warmstart.data={run}"))
-    trajectories, counts = select_from_run(run, cfg.warmstart.min_reward)
+    try:
+        trajectories, counts = select_from_run(run, cfg.warmstart.min_reward)
+    except ValueError as exc:  # a damaged shards.json
+        raise DemonstrationError(f"warmstart.data={run}: {exc}") from exc
     if not counts["num_stages"]:
         raise DemonstrationError(f"warmstart.data={run} holds no complete stage (stages/stage_KKK/ with shards.json): "
                                  "there are no trajectories to select from")
+    if not counts["num_total"]:
+        raise DemonstrationError(f"warmstart.data={run} holds no trajectory: its {counts['num_stages']} complete "
+                                 "stage(s) list no shards (shards.json), so there is nothing to select from; give "
+                                 "a run whose stages hold trajectories")
     if not trajectories:
         best = "none" if counts["reward_max"] is None else f"{counts['reward_max']:g}"
         raise DemonstrationError(

@@ -124,7 +124,8 @@ def test_render_demonstrations_counts_truncated_and_dropped(tiny):
     examples, counts = render_demonstrations(tiny, load_demonstrations(rows), max_length=10)
     # 7 + 3 = 10 fits; 7 + 6 = 13 is cut to 3 response tokens; 7 + 2 = 9 fits
     assert [len(e.input_ids) for e in examples] == [10, 10, 9]
-    assert counts == {"num_demonstrations": 3, "num_truncated": 1, "num_dropped": 0, "num_loss_tokens": 3 + 3 + 2}
+    assert counts == {"num_demonstrations": 3, "num_truncated": 1, "num_dropped": 0, "num_loss_tokens": 3 + 3 + 2,
+                      "num_cut_texts": 0}  # 10 tokens of the tiny vocabulary (5 characters at most) keep 51 characters
     examples, counts = render_demonstrations(tiny, load_demonstrations(rows), max_length=7)
     assert examples == [] and (counts["num_dropped"], counts["num_loss_tokens"]) == (3, 0)
     with pytest.raises(ValueError, match="max_length"):

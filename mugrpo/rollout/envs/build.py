@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -36,6 +37,7 @@ from mugrpo.errors import ConfigError, UserError
 from mugrpo.rollout.calls import CallRunner, process_tool_runner
 from mugrpo.rollout.envs import ENVIRONMENTS
 from mugrpo.rollout.envs.base import EnvFactory, Environment
+from mugrpo.rollout.envs.isolated import ProcessEnvironment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
@@ -55,6 +57,8 @@ class EnvSummary:
     """Why ``tools()`` gave no list (it raised or hung), or None."""
     max_turns: int
     stop: tuple[str, ...]
+    isolation: str = "steps and tool calls on threads (env.step_isolation=thread, env.tool_isolation=thread)"
+    """Where the environment's steps and its tool calls run, for the start-up line."""
 
 
 class CheckedFactory(functools.partial):
@@ -79,15 +83,15 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
         if not tools:
             return None
         runner = process_tool_runner() if getattr(env_cfg, "tool_isolation", "thread") == "process" else None
-        return _checked(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s, runner),
-                        "task.tools", _timeout(env_cfg))
+        return _checked(_isolated(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s,
+                                                    runner), env_cfg), "task.tools", _timeout(env_cfg))
     if tools:
         raise ConfigError("task.tools with task.env: tools make their own environment (a tool environment); "
                           "give the tools to your environment's tools() instead, or drop task.env")
     target = _resolve_env(spec)
     if isinstance(target, type) and issubclass(target, Environment):
-        return _checked(functools.partial(target, **_defaults(target, args, env_cfg, task)), "task.env_args",
-                        _timeout(env_cfg), "max_turns" in args)
+        return _checked(_isolated(functools.partial(target, **_defaults(target, args, env_cfg, task)), env_cfg),
+                        "task.env_args", _timeout(env_cfg), "max_turns" in args)
     if not callable(target):
         raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
     return _from_callable(target, args, env_cfg)
@@ -136,15 +140,41 @@ def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
     probe = r.value
     if isinstance(probe, Environment):
         _close_bounded([probe], _timeout(env_cfg))
-        return _checked(functools.partial(make, **args), "task.env", _timeout(env_cfg), "max_turns" in args)
+        return _checked(_isolated(functools.partial(make, **args), env_cfg), "task.env", _timeout(env_cfg),
+                        "max_turns" in args)
     if args:
         raise ConfigError(f"task.env_args={args}: a TRL environment_factory is called without arguments")
-    return _checked(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s),
-                    "task.env", _timeout(env_cfg))
+    return _checked(_isolated(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s),
+                              env_cfg), "task.env", _timeout(env_cfg))
 
 
 def _timeout(env_cfg) -> float:
     return getattr(env_cfg, "reset_timeout_s", 60.0)
+
+
+def _isolated(factory: functools.partial, env_cfg) -> functools.partial:
+    """``factory`` as ``env.step_isolation`` runs it: as it is (``thread``), or each environment made in a
+    worker process of its own (``process``, :class:`mugrpo.rollout.envs.isolated.ProcessEnvironment`)."""
+    if getattr(env_cfg, "step_isolation", "thread") != "process":
+        return factory
+    return functools.partial(ProcessEnvironment, factory, env_cfg.step_timeout_s, _timeout(env_cfg))
+
+
+def _isolation_line(factory: functools.partial, tools: tuple) -> str:
+    steps = "process" if factory.func is ProcessEnvironment else "thread"
+    where = "a worker process per environment" if steps == "process" else "threads of the trainer's process"
+    line = f"steps in {where} (env.step_isolation={steps})"
+    if tools:
+        runner = _tool_runner(factory)
+        line += f"; tool calls in {'worker processes' if runner == 'process' else 'threads'} " \
+                f"(env.tool_isolation={runner})"
+    return line
+
+
+def _tool_runner(factory: functools.partial) -> str:
+    inner = factory.args[0] if factory.func is ProcessEnvironment else factory
+    runner = next((a for a in getattr(inner, "args", ()) if isinstance(a, CallRunner)), None)
+    return runner.isolation if runner is not None else "thread"
 
 
 def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_given: bool = False) -> CheckedFactory:
@@ -154,6 +184,11 @@ def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_g
     the environment's code (the two factory calls, the first's ``tools()``, the closes) is bounded by
     ``timeout_s``; a ``tools()`` that fails is the stage's to count (each item's is), so it is only noted."""
     runner, envs = CallRunner(1), []
+    # A constructor that exits the process (os._exit) takes this message with it; under
+    # env.step_isolation=process it exits its worker instead, and the error below names it.
+    print(f"[mugrpo] start-up check: making two environments with {_target(factory)} "
+          f"(env.step_isolation={'process' if factory.func is ProcessEnvironment else 'thread'})", file=sys.stderr,
+          flush=True)
     try:
         for _ in range(2):
             envs.append(_make_checked(runner, factory, key, timeout_s))
@@ -161,7 +196,7 @@ def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_g
     finally:
         _close_bounded(envs, timeout_s)
     first, second = envs
-    name = type(first).__name__
+    name = getattr(first, "env_name", type(first).__name__).rsplit(".", 1)[-1]
     key = "task.tools" if key == "task.tools" else "task.env"  # what the environments are, not their arguments
     turns = getattr(first, "max_turns", None)
     if not (isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1):
@@ -178,15 +213,16 @@ def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_g
                           "one run must share their stop strings (one engine call samples every trajectory's "
                           "turn): give them the same stop tuple")
     checked = CheckedFactory(factory.func, *factory.args, **factory.keywords)
-    checked.summary = EnvSummary(f"{type(first).__module__}.{type(first).__qualname__}",
-                                 tuple(getattr(t, "__name__", type(t).__name__) for t in tools.value or ()),
-                                 _tools_error(tools, name, timeout_s), turns, tuple(stops[0]))
+    tool_names = tuple(getattr(t, "__name__", type(t).__name__) for t in tools.value or ())
+    checked.summary = EnvSummary(getattr(first, "env_name", f"{type(first).__module__}.{type(first).__qualname__}"),
+                                 tool_names, _tools_error(tools, name, timeout_s), turns, tuple(stops[0]),
+                                 _isolation_line(factory, tool_names))
     return checked
 
 
 def _make_checked(runner: CallRunner, factory: functools.partial, key: str, timeout_s: float) -> Environment:
     """One environment from ``factory``, made bounded; ConfigError naming ``key`` if the call raised or hung."""
-    target = getattr(factory.func, "__qualname__", None) or type(factory.func).__name__
+    target = _target(factory)
     r = runner.run([factory], timeout_s, name="mugrpo-env-check")[0]
     if r.timed_out:
         raise ConfigError(f"{key}: making the environment ({target}) at start ran past env.reset_timeout_s="
@@ -196,6 +232,14 @@ def _make_checked(runner: CallRunner, factory: functools.partial, key: str, time
     if r.error is not None:
         raise ConfigError(f"{key}: making the environment ({target}) at start failed: {_what(r)}\n{r.error}")
     return r.value
+
+
+def _target(factory: functools.partial) -> str:
+    """What ``factory`` makes, by name (the wrapped factory's under process isolation)."""
+    if factory.func is ProcessEnvironment:
+        factory = factory.args[0]
+    func = getattr(factory, "func", factory)
+    return getattr(func, "__qualname__", None) or type(func).__name__
 
 
 def _what(r) -> str:
@@ -219,6 +263,7 @@ def describe_env(summary: Optional[EnvSummary]) -> list[tuple[str, str]]:
     tools = ", ".join(summary.tools) if summary.tools else "none"
     return [("environment", summary.name),
             ("environment tools", f"unknown: {summary.tools_error}" if summary.tools_error else tools),
+            ("environment isolation", summary.isolation),
             ("environment max turns", str(summary.max_turns)),
             ("environment stop strings", ", ".join(repr(s) for s in summary.stop) if summary.stop else "none (EOS only)")]
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from mugrpo.rollout.envs.tools import protocol_text, tool_schemas
+from mugrpo.rollout.text_cut import char_limit, cut_messages
 
 __all__ = ["supports_tools", "prompt_messages", "prompt_ids", "trajectory_prompt_ids", "env_turn_ids",
            "tool_messages_as_user"]
@@ -123,11 +124,17 @@ def trajectory_prompt_ids(tokenizer, env_messages: Optional[list[dict]], item, t
                           tools: list[Callable] = ()) -> list[int]:
     """The first prompt of a trajectory: the messages ``env.reset`` returned, else the task's usual
     prompt (:func:`mugrpo.rollout.tasks.prompt_ids`' messages), with the environment's ``tools``.
-    Without tools and messages it is exactly the single-turn prompt."""
+    Without tools and messages it is exactly the single-turn prompt. Each message is first cut to the
+    characters ``task.max_prompt_tokens`` can use (its end kept, as by
+    :func:`mugrpo.rollout.tasks.prompt_ids`): a 15 MB ``reset`` prompt is never tokenized whole, and
+    is over the limit either way (``task.prompt_too_long`` skips or refuses it)."""
     from mugrpo.rollout.tasks import render_messages
 
     if env_messages is None:
         env_messages = item.messages if item.messages is not None else render_messages(item.question, task_cfg)
+    max_tokens = getattr(task_cfg, "max_prompt_tokens", None)
+    if max_tokens is not None:
+        env_messages = cut_messages(env_messages, char_limit(tokenizer, max_tokens), keep="end")[0]
     return prompt_ids(tokenizer, env_messages, tools)
 
 

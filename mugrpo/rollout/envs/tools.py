@@ -36,6 +36,7 @@ import asyncio
 import inspect
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -205,6 +206,8 @@ class ToolEnvironment(Environment):
             if outcome.timed_out:
                 counts["tool_timeouts"] += 1
                 contents[i] = _error(f"tool {calls[i].name!r} did not return within {self.timeout_s:g} s")
+                if self.runner.isolation == "thread":
+                    _warn_thread_timeout(calls[i].name, self.timeout_s)
             else:
                 counts["tool_exceptions"] += 1
                 exc = outcome.exception
@@ -234,6 +237,21 @@ class ToolEnvironment(Environment):
         except TypeError as exc:
             return "tool_bad_args", f"tool {call.name!r}: {exc}"
         return None
+
+
+_warned_thread_timeout = False
+
+
+def _warn_thread_timeout(name: str, timeout_s: float) -> None:
+    """Once per process: a timed-out call under thread isolation runs on, and may hold the GIL."""
+    global _warned_thread_timeout
+    if _warned_thread_timeout:
+        return
+    _warned_thread_timeout = True
+    print(f"[mugrpo] warning: tool {name!r} ran past env.tool_timeout_s={timeout_s:g} s under env.tool_isolation="
+          "thread: the call was answered with an error, but its thread cannot be killed and runs on (one that holds "
+          "the GIL, e.g. a catastrophic regex, stalls the whole run). Set env.tool_isolation=process to have such "
+          "calls killed at their timeout (the tools must pickle; docs/ENVIRONMENTS.md)", file=sys.stderr, flush=True)
 
 
 class _Bound:
