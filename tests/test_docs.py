@@ -1,6 +1,9 @@
 from pathlib import Path
 
 from mugrpo.cli import reference_markdown
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).parent.parent
 

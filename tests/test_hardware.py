@@ -5,6 +5,8 @@ from mugrpo.config import load_config
 from mugrpo.hardware import Hardware, detect, resolve
 from mugrpo.config.plan import format_plan, make_plan
 
+pytestmark = pytest.mark.unit
+
 AVX512_BF16 = Hardware("cpu", "AVX512", native_bf16=True, vllm_available=True)
 AVX2 = Hardware("cpu", "AVX2", native_bf16=False, vllm_available=False)
 

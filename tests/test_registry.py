@@ -15,6 +15,8 @@ from mugrpo.registry import Registry, RegistryError
 from mugrpo.rollout import TASK_KINDS
 from mugrpo.rollout.tasks import Item, build_task
 
+pytestmark = pytest.mark.unit
+
 
 def test_entries_load_lazily_and_unknown_names_are_listed():
     sys.modules.pop("ones_reward", None)

@@ -2,6 +2,9 @@
 from pathlib import Path
 
 from mugrpo.run_dir import RunDir, shard_path, text_path
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_names_on_disk_are_those_of_earlier_versions():

@@ -1,5 +1,8 @@
 """Every random stream gets its own seed, a pure function of its name and position."""
 from mugrpo import seeds
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_streams_never_share_a_seed():

@@ -5,6 +5,8 @@ import pytest
 
 from mugrpo.cli import main
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.unit
 def test_a_port_in_use_exits_2_naming_the_port(capsys):

@@ -1,6 +1,9 @@
 import torch
 
 from mugrpo.algo.advantages import group_advantages
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_group_advantages_std_scaled():

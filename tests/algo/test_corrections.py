@@ -13,6 +13,8 @@ import torch
 from mugrpo.algo import corrections as C
 from mugrpo.algo.losses import clipped_surrogate
 
+pytestmark = pytest.mark.unit
+
 
 def t(rows, requires_grad=False):
     return torch.tensor(rows, dtype=torch.float32, requires_grad=requires_grad)

@@ -11,6 +11,8 @@ from mugrpo.algo.dynamic import (Rounds, draw_slice, first_round_size, groups_ne
                                      next_round_size, plan_rows, round_decision, run_rounds, select_groups)
 from mugrpo.stages.rounds import assemble, load_round, remove_rounds, round_paths, save_round, sum_records
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------------------------------------
 # Informative groups.
 
@@ -209,8 +211,8 @@ def test_assemble_keeps_the_turns_of_an_environment_stage():
     a, b = _round(0, [[1.0, 0.0]]), _round(10, [[0.0, 0.0], [0.0, 1.0]])
     a.turns, b.turns = [[0], [1]], [[2], [3], [4], [5]]  # one marker per sequence, to follow them
     assert assemble([a, b], [0, 2]).turns == [[0], [1], [4], [5]]
-    b.turns = None  # a round without turns (never mixed in practice): no turns rather than a wrong mix
-    assert assemble([a, b], [0, 2]).turns is None
+    b.turns = None  # a round without turns (never mixed in practice) is single-turn: all its tokens turn 0,
+    assert assemble([a, b], [0, 2]).turns == [[0], [1], [0], [0]]  # the one rule of the stage data's schema
 
 
 def test_round_files_round_trip(tmp_path):

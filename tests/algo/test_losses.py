@@ -8,6 +8,8 @@ from mugrpo.algo.losses import (LossInputs, LossSettings, aggregate, clipped_sur
                                 policy_loss)
 from mugrpo.algo.veto import veto_mask
 
+pytestmark = pytest.mark.unit
+
 LOG_DELTA = math.log(1e-4)  # -9.21
 
 

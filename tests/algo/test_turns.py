@@ -5,6 +5,9 @@ import torch
 
 from mugrpo.algo.turns import first_trigger_turn, first_trigger_turn_counts, per_turn_counts, safe_ratio
 from mugrpo.algo.veto import veto_mask
+import pytest
+
+pytestmark = pytest.mark.unit
 
 X = -20.0  # log rho far below log(1e-4) = -9.2: a trigger wherever it is a loss token
 # Four trajectories of 7 response tokens; turns: policy turn k >= 0, environment -1.

@@ -6,6 +6,8 @@ from mugrpo.cli import main
 from mugrpo.config import ConfigError, dump_yaml, from_dict, load_config, to_dict, validate
 from mugrpo.rollout.envs.builtin import CalculatorEnvironment, calculate
 
+pytestmark = pytest.mark.unit
+
 
 def test_defaults_are_single_turn():
     cfg = load_config()

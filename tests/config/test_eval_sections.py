@@ -4,6 +4,8 @@ import pytest
 
 from mugrpo.config import ConfigError, field_docs, load_config
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("override, message", [
     ("eval.num_samples=-1", "eval.num_samples=-1 is out of range"),

@@ -3,6 +3,8 @@ import pytest
 from mugrpo.config import ConfigError, load_config
 from mugrpo.config.plan import make_plan
 
+pytestmark = pytest.mark.unit
+
 
 def test_mu_grpo_default_plan():
     # 32 updates / 4 stages = mu 8; 8 prompts/update x 8 updates = 64 prompts/stage (one pass);

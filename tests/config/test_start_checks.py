@@ -12,6 +12,8 @@ from mugrpo.config import ConfigError, dump_yaml, from_dict, load_config, to_dic
 from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.rollout.envs.build import build_env_factory
 
+pytestmark = pytest.mark.unit
+
 ENV_CFG = SimpleNamespace(max_turns=4, tool_timeout_s=1.0)
 
 
@@ -94,7 +96,9 @@ def test_plan_prints_the_environment_it_builds(capsys):
     rows = {k.strip(): v.strip() for k, v in rows.items()}
     assert rows == {"environment": "mugrpo.rollout.envs.builtin.CalculatorEnvironment",
                     "environment tools": "calculate", "environment max turns": "3",
-                    "environment stop strings": "'</tool_call>'"}
+                    "environment stop strings": "'</tool_call>'",
+                    "environment isolation": "steps in threads of the trainer's process (env.step_isolation=thread); "
+                                             "tool calls in threads (env.tool_isolation=thread)"}
     assert main(["plan"]) == 0  # single-turn: no environment rows
     assert "environment" not in capsys.readouterr().out
 

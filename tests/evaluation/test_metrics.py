@@ -7,6 +7,8 @@ import pytest
 
 from mugrpo.evaluation.metrics import macro_average, pass_at_k, summarize
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("n, c, k, expected", [
     (4, 1, 1, 0.25),          # 1 - C(3,1)/C(4,1) = 1 - 3/4

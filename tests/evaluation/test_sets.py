@@ -8,6 +8,8 @@ from mugrpo.evaluation.sets import _parse_hf, detect_columns, resolve, split_spe
 from mugrpo.config import TaskConfig
 from mugrpo.rollout.tasks import TaskError
 
+pytestmark = pytest.mark.unit
+
 
 def _jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

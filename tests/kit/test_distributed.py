@@ -20,6 +20,7 @@ from conftest import TINY_OVERRIDES
 from safetensors.torch import load_file
 
 from mugrpo.kit import distributed as dist
+from mugrpo.run_dir import SHARDS_FILE, shard_path
 from mugrpo.stages import shards
 from mugrpo.stages.data import StageData
 from mugrpo.kit.order import update_groups
@@ -52,15 +53,15 @@ def test_one_process_holding_both_shards_draws_the_union_of_the_two_ranks_miniba
     # Shard 0 holds items 0..5, shard 1 items 100..105 (6 groups each). P = 4 prompts per update,
     # so each shard gives P / S = 2 groups to every update, whoever holds it.
     for shard, first in ((0, 0), (1, 100)):
-        _stage(6, first_item=first).save(dist.shard_path(tmp_path, shard))
-    (tmp_path / dist.SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [6, 6]}))
+        _stage(6, first_item=first).save(shard_path(tmp_path, shard))
+    (tmp_path / SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [6, 6]}))
     both = shards.load_stage_shards(tmp_path, dist.World())
     assert both.shard_sizes == [6, 6] and both.num_groups == 12
     for update in range(5):  # 5 updates x 2 groups > 6: crosses into the second pass
         one = [both.item_indices[g] for g in shards.rank_update_groups(both, 4, update, seed=3, stage=1)]
         per_rank = []
         for rank in range(2):
-            shard = StageData.load(dist.shard_path(tmp_path, rank))
+            shard = StageData.load(shard_path(tmp_path, rank))
             per_rank += [shard.item_indices[g] for g in shards.rank_update_groups(shard, 2, update, seed=3, stage=1)]
         assert one == per_rank
         assert one[:2] == update_groups(6, 2, update, 3, 1)  # shard 0's draw is the plain one
@@ -69,10 +70,10 @@ def test_one_process_holding_both_shards_draws_the_union_of_the_two_ranks_miniba
 def test_a_stage_is_loaded_only_once_every_shard_is_written(tmp_path):
     # Rank 0 had saved its shard when generation died: no shards.json, so the stage is generated
     # again by every rank (loading on some ranks and generating on others would deadlock).
-    _stage(4).save(dist.shard_path(tmp_path, 0))
+    _stage(4).save(shard_path(tmp_path, 0))
     assert shards.load_stage_shards(tmp_path, dist.World()) is None
-    _stage(4).save(dist.shard_path(tmp_path, 1))
-    (tmp_path / dist.SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [4, 4]}))
+    _stage(4).save(shard_path(tmp_path, 1))
+    (tmp_path / SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [4, 4]}))
     assert shards.load_stage_shards(tmp_path, dist.World()).num_groups == 8
     with pytest.raises(ValueError, match="divides 2"):  # 2 shards cannot be split over 3 ranks
         shards.load_stage_shards(tmp_path, dist.World(rank=0, size=3))
@@ -304,7 +305,7 @@ def test_two_ranks_take_the_same_dynamic_sampling_rounds(tiny_model, tmp_path):
     for record in stages:
         assert record["stage/num_groups_needed"] == 32 and record["stage/num_sequences"] == 32 * 4
         for rank in range(2):
-            shard = StageData.load(dist.shard_path(run / "stages" / f"stage_{record['stage']:03d}", rank))
+            shard = StageData.load(shard_path(run / "stages" / f"stage_{record['stage']:03d}", rank))
             assert shard.num_groups == 16
             assert bool((shard.rewards.view(-1, 4).std(dim=1) > 0).all()), (record["stage"], rank)
     assert stages[0]["stage/num_rounds"] >= 2  # about 1 group in 3 is informative: round 0's 64 are too few

@@ -6,6 +6,7 @@ import torch
 from kit.test_distributed import COMMON, _mugrpo, _records, _resume_copy, _weights
 
 from mugrpo.kit import distributed as dist
+from mugrpo.run_dir import SHARDS_FILE, shard_path
 from mugrpo.stages import shards
 from mugrpo.stages.data import StageData
 
@@ -21,7 +22,7 @@ def test_two_ranks_with_an_environment_match_one_process_on_the_same_trajectorie
     world = dist.World()
     stage = shards.load_stage_shards(two / "stages" / "stage_000", world)
     assert stage.turns is not None and any(k < 0 for t in stage.turns for k in t)
-    shard = StageData.load(dist.shard_path(two / "stages" / "stage_000", 0))
+    shard = StageData.load(shard_path(two / "stages" / "stage_000", 0))
     assert len(shard.responses) < len(stage.responses)
     stages = _records(two, "stage")
     assert all(sum(s[k] for k in s if k.startswith("env/num_") and k.removeprefix("env/num_") in (

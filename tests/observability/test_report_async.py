@@ -7,6 +7,8 @@ import pytest
 from mugrpo.observability import report_data as rd
 from mugrpo.observability.report import write_report
 
+pytestmark = pytest.mark.unit
+
 
 def _stage(s, lag_max, lag_mean, wall, wait, idle, n=16):
     return {"kind": "stage", "stage": s, "update": 2 * (s + 1), "update_in_stage": 2, "time_s": 10.0 * (s + 1),

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_training_with_an_environment_through_two_vllm_services(tmp_path):
-    path = str(build_tiny_model(tmp_path / "model", hidden=64, heads=2))  # as tests/test_vllm_engine.py builds it
+    path = str(build_tiny_model(tmp_path / "model", hidden=64, heads=2))  # as tests/rollout/engines/test_vllm.py builds it
     args = ("--dtype", "float32", "--kv-cache-gb", "0.25")
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     with serving(path, *args, engine="vllm", env=service_env(VLLM_CPU_OMP_THREADS_BIND="0", **env)) as a, \

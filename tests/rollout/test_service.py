@@ -12,6 +12,8 @@ from mugrpo.models.loading import load_tokenizer
 from mugrpo.rollout.engines import make_engine
 from mugrpo.rollout.service import ServiceState, completions_from_json, make_server, tokenizer_fingerprint
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def url(tiny_model_dir):

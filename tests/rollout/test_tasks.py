@@ -6,6 +6,8 @@ import pytest
 from mugrpo.config import TaskConfig
 from mugrpo.rollout.tasks import Item, TaskError, build_task, extract_boxed, prompt_ids, render_messages
 
+pytestmark = pytest.mark.unit
+
 
 def test_extract_boxed():
     assert extract_boxed("so 3 + 4 = 7. The final answer is \\boxed{7}.") == "7"

@@ -5,10 +5,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mugrpo.kit import distributed as dist
+from mugrpo.run_dir import SHARDS_FILE, shard_path
 from mugrpo.stages import shards
 from mugrpo.kit.batching import micro_batches
 from mugrpo.stages.data import FORMAT_VERSION, StageData, StageDataError
 from mugrpo.kit.batching import collate
+
+pytestmark = pytest.mark.unit
 
 
 def _stage(turns=True):
@@ -64,8 +67,8 @@ def test_both_layouts_keep_env_tokens_as_inputs_but_not_as_loss_tokens():
 
 def test_sharded_stages_concatenate_turns(tmp_path):
     # Two shards, one multi-turn and one old-style (no turns): the rank owning both sees turns for all.
-    _stage().save(dist.shard_path(tmp_path, 0))
-    _stage(turns=False).save(dist.shard_path(tmp_path, 1))
-    (tmp_path / dist.SHARDS_FILE).write_text('{"num_shards": 2, "num_groups": [1, 1]}')
+    _stage().save(shard_path(tmp_path, 0))
+    _stage(turns=False).save(shard_path(tmp_path, 1))
+    (tmp_path / SHARDS_FILE).write_text('{"num_shards": 2, "num_groups": [1, 1]}')
     data = shards.load_stage_shards(tmp_path, dist.World())
     assert data.turns == [[0, 0, -1, -1, 1], [0, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0]]

@@ -14,6 +14,8 @@ from mugrpo.stages import replay
 from mugrpo.run_dir import SHARDS_FILE, RunDir, shard_path
 from mugrpo.stages.data import StageData
 
+pytestmark = pytest.mark.unit
+
 BASE = ["model.name=/models/tiny", "task.few_shot=[]", "task.instruction=", "schedule.total_updates=4",
         "schedule.num_stages=1", "schedule.prompts_per_update=2", "rollout.group_size=2"]
 PROMPTS = {0: [5, 6, 7], 1: [5, 8], 2: [9, 9, 9, 9]}

@@ -10,6 +10,8 @@ from mugrpo.rollout.envs.builtin import calculate
 from mugrpo.rollout.envs.tools import tool_schemas
 from mugrpo.warmstart.data import DemonstrationError, load_demonstrations, tool_call_text
 
+pytestmark = pytest.mark.unit
+
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 
 

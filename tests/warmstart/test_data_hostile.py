@@ -10,6 +10,8 @@ from mugrpo.rollout.envs.builtin import calculate
 from mugrpo.warmstart.data import DemonstrationError, load_demonstrations
 from mugrpo.warmstart.source import load_source
 
+pytestmark = pytest.mark.unit
+
 
 def call(expression="6 * 7", name="calculate"):
     return {"type": "function", "function": {"name": name, "arguments": {"expression": expression}}}

@@ -10,6 +10,8 @@ from mugrpo.warmstart.data import load_demonstrations
 from mugrpo.warmstart.demos import calculator_rows
 from mugrpo.warmstart.render import Example, render_demonstration, render_demonstrations, truncate
 
+pytestmark = pytest.mark.unit
+
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 from memory_peak import peak_rss_kib
-from test_sft_phase import SFT_KEYS
+from warmstart.test_phase import SFT_KEYS
 
 from mugrpo.models.tiny import build_char_tokenizer
 from mugrpo.warmstart.data import load_demonstrations

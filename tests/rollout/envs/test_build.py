@@ -12,6 +12,8 @@ from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment
 from mugrpo.rollout.rewards import RewardFn
 from mugrpo.rollout.tasks import Item, Task
 
+pytestmark = pytest.mark.unit
+
 ENV = SimpleNamespace(max_turns=3, tool_timeout_s=2.5)
 
 

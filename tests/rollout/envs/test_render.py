@@ -10,6 +10,8 @@ import pytest
 from mugrpo.models.tiny import build_char_tokenizer
 from mugrpo.rollout.envs import render
 
+pytestmark = pytest.mark.unit
+
 # A Qwen2.5-style template (tools in the system turn, <tool_call> in assistant turns, tool results
 # grouped into one user turn of <tool_response> blocks), short enough to read. transformers compiles
 # templates with trim_blocks, which eats the newline after a tag: those newlines are written as {{ '\n' }}.
