@@ -24,7 +24,7 @@ request for a stage, to this record; :class:`IdleLedger`):
   generate / |I_s| (an evaluation the trainer runs meanwhile is not counted as engine work).
 
 What a resume promises: a kill loses at most the stages in flight (a stage is complete once its
-shards are marked, :mod:`mugrpo.training.stage_store`); the resumed run regenerates them from its
+shards are marked, :mod:`mugrpo.stages.store`); the resumed run regenerates them from its
 own weights, recording that version. So the resumed run is bitwise equal to the uninterrupted one
 given the stages it trains on; those are the same when the regenerated stages come from the same
 weights: with k = 1, whenever the checkpoint resumed is a stage's start (no mid-stage checkpoint
