@@ -57,6 +57,9 @@ def _r(name: str) -> str:
 
 
 REGISTRY: dict[str, Benchmark] = {
+    "async_stages": Benchmark("benchmarks.async_stages:main",
+                              "the async table in miniature: stages generated ahead against one rollout service",
+                              _r("async_stages.json")),
     "call_isolation": Benchmark("benchmarks.call_isolation:main",
                                 "what a tool call costs under thread and process isolation, and a timeout",
                                 _r("call_isolation.json")),

@@ -1,0 +1,210 @@
+"""The paper's asynchronous table in miniature: Mu-GRPO with stages generated ahead against one rollout
+service, beside the synchronous runs, on this machine (issue 33 item 5). A benchmark: it asserts nothing.
+
+Arms (each its own ``mugrpo train`` process; the same task, model, budget and seed across arms):
+
+- ``sync``: mu-grpo, the engine in the trainer's process, both cores (today's default loop);
+- ``async``: mu-grpo with ``schedule.async_stages=1`` against one ``mugrpo serve`` process, the service
+  pinned to core 1 and the trainer to core 0 (``taskset``), one thread each;
+- ``sync_split``: the same two processes and cores with ``schedule.async_stages=0``: what the split
+  costs without generating ahead;
+- ``grpo``: the grpo preset, in process, both cores.
+
+Reported per run: the training clock (the last record's ``time_s``), the held-out accuracy of the final
+evaluation (``eval/greedy_acc``, ``eval/avg_at_n``), the trainer's and the engine's idle fractions, and
+the policy lag. With ``async_stages`` >= 1 the idle fractions are the run's own metrics
+(``perf/trainer_idle_frac``, ``perf/engine_idle_frac``, weighted by each stage's interval); for a
+synchronous run they follow from its stage records: the trainer idles while the stage is synced,
+generated and scored, and the engine idles for the rest of the interval.
+
+    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --seeds 1 2 3
+    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --task calculator --seeds 1
+
+``--task calculator``: the two-call calculator task with the built-in tool behind a 0.5 s sleep
+(``benchmarks/async_tools.py``), from the base model (no warm
+start: the tool protocol is in the instruction). Run directories go under ``benchmarks/cache/async_stages/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.suite import common_arguments, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "benchmarks" / "cache" / "async_stages"
+ARMS = ("sync", "async", "sync_split", "grpo")
+
+
+def _env(threads: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}{os.pathsep}{ROOT / 'benchmarks'}",
+           "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("MUGRPO_DIE_AT", "MUGRPO_STOP_AT", "MUGRPO_FREEZE_AT"):
+        env.pop(key, None)
+    return env
+
+
+def task_overrides(task: str, args) -> list[str]:
+    common = [f"schedule.total_updates={args.updates}", f"schedule.prompts_per_update={args.prompts}",
+              f"rollout.group_size={args.group_size}", f"eval.num_items={args.eval_items}", "eval.at_start=false",
+              "eval.every_stages=0", "eval.every_updates=0", "train.progress=false", "rollout.engine=hf",
+              "rollout.dtype=float32"]  # the service runs float32 (--dtype); the HF engine resolves to it here
+    if task == "default":
+        return common
+    from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
+
+    return [*common, "task.kind=math", f"task.name={CACHE / 'calc_train.jsonl'}", "task.few_shot=[]",
+            f"task.instruction={CALCULATOR_INSTRUCTION}", "task.max_prompt_tokens=1024",
+            "task.tools=[async_tools:slow_calculate]", "env.max_turns=4", "env.max_tokens_per_turn=64",
+            "env.max_workers=64", "rollout.max_new_tokens=200", "eval.max_new_tokens=200"]
+
+
+def prepare_calculator(n: int) -> None:
+    from mugrpo.warmstart.demos import calculator_rows, write_jsonl
+
+    write_jsonl([{"question": r["question"], "answer": r["answer"]} for r in calculator_rows(n, seed=2, num_calls=2)],
+                CACHE / "calc_train.jsonl")
+
+
+def arm_overrides(arm: str, seed: int, args) -> list[str]:
+    preset = "grpo" if arm == "grpo" else "mu-grpo"
+    out = [f"train.seed={seed}"]
+    if preset == "mu-grpo":
+        out.append(f"schedule.num_stages={args.stages}")
+    if arm == "async":
+        out.append("schedule.async_stages=1")
+    return ["--preset", preset, *out]
+
+
+class Service:
+    """``mugrpo serve --engine hf`` on one core; its URL once it listens."""
+
+    def __init__(self, core: int):
+        self.proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-m", "mugrpo", "serve", "--engine",
+                                      "hf", "--model", "smollm2-135m-instruct", "--port", "0"],
+                                     env=_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.url = None
+        for line in self.proc.stderr:
+            m = re.search(r"listening on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        if self.url is None:
+            raise RuntimeError(f"mugrpo serve did not start (exit {self.proc.wait()})")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def run_arm(arm: str, seed: int, task: str, args) -> dict:
+    run_dir = CACHE / task / f"{arm}_seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "mugrpo", "train", "--run-dir", str(run_dir), *arm_overrides(arm, seed, args),
+           *task_overrides(task, args)]
+    service = None
+    if arm in ("async", "sync_split"):
+        service = Service(core=1)
+        cmd = ["taskset", "-c", "0", *cmd, "rollout.engine=remote", f"rollout.remote.urls=[{service.url}]"]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, env=_env(1 if service else 2), capture_output=True, text=True)
+    finally:
+        if service is not None:
+            service.close()
+    wall_s = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"{arm} seed {seed}: exit {r.returncode}\n{r.stderr[-3000:]}")
+    return {"arm": arm, "seed": seed, "task": task, "process_wall_s": wall_s, **summarize(run_dir)}
+
+
+def summarize(run_dir: Path) -> dict:
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    stages = [r for r in records if r["kind"] == "stage"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    clock = max(r["time_s"] for r in records)
+    if stages and "perf/trainer_idle_frac" in stages[0]:
+        walls = [r["perf/stage_wall_s"] for r in stages]
+        trainer_idle = sum(r["perf/trainer_idle_frac"] * w for r, w in zip(stages, walls)) / sum(walls)
+        engine_idle = sum(r["perf/engine_idle_frac"] * w for r, w in zip(stages, walls)) / sum(walls)
+    else:  # synchronous: the trainer waits while the stage is synced, generated and scored
+        gen = sum(r.get("perf/sync_s", 0.0) + r.get("perf/generate_s", 0.0) + r.get("perf/score_s", 0.0)
+                  for r in stages)
+        trainer_idle = gen / clock
+        engine_idle = 1.0 - trainer_idle
+    last = evals[-1] if evals else {}
+    avg = next((v for k, v in last.items() if k.startswith("eval/avg_at_")), None)
+    return {"clock_s": clock, "trainer_idle_frac": trainer_idle, "engine_idle_frac": engine_idle,
+            "policy_lag_max": max((r.get("stage/policy_lag_max", 0) for r in stages), default=0),
+            "policy_lag_mean": (sum(r.get("stage/policy_lag_mean", 0.0) for r in stages) / len(stages)) if stages else 0,
+            "generate_s": sum(r.get("perf/generate_s", 0.0) for r in stages),
+            "optimize_s": sum(r.get("perf/optimize_s", 0.0) for r in stages),
+            "eval_greedy_acc": last.get("eval/greedy_acc"), "eval_avg_at_n": avg,
+            "reward_mean_last_stage": stages[-1].get("reward/mean") if stages else None}
+
+
+def table(runs: list[dict]) -> dict:
+    """Per task and arm: the means over seeds, and the clock as a ratio to the synchronous arm's."""
+    out = {}
+    for task in sorted({r["task"] for r in runs}):
+        arms = {}
+        for arm in ARMS:
+            mine = [r for r in runs if r["task"] == task and r["arm"] == arm]
+            if not mine:
+                continue
+            mean = lambda k: sum(r[k] for r in mine if r[k] is not None) / max(1, sum(r[k] is not None for r in mine))  # noqa: E731
+            arms[arm] = {k: mean(k) for k in ("clock_s", "trainer_idle_frac", "engine_idle_frac", "policy_lag_max",
+                                               "policy_lag_mean", "eval_greedy_acc", "eval_avg_at_n", "generate_s",
+                                               "optimize_s")}
+            arms[arm]["num_seeds"] = len(mine)
+        sync = arms.get("sync", {}).get("clock_s")
+        for values in arms.values():
+            values["clock_vs_sync"] = values["clock_s"] / sync if sync else None
+        out[task] = arms
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks async_stages", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=("default", "calculator"), default="default")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    p.add_argument("--updates", type=int, default=8)
+    p.add_argument("--stages", type=int, default=4, help="mu-grpo's stages (grpo: its preset, mu = 4)")
+    p.add_argument("--prompts", type=int, default=8, help="schedule.prompts_per_update")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--eval-items", type=int, default=32)
+    p.add_argument("--append", action="store_true", help="add to the runs already in --out")
+    common_arguments(p, "async_stages", seeds=[1, 2, 3])
+    args = p.parse_args(argv)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if args.task == "calculator":
+        prepare_calculator(256)
+    runs = []
+    if args.append and Path(args.out).is_file():
+        from benchmarks.suite import read_figures
+
+        runs = read_figures(args.out)["runs"]
+    config = {**vars(args), "overrides": task_overrides(args.task, args)}
+    for seed in args.seeds:
+        for arm in args.arms:
+            result = run_arm(arm, seed, args.task, args)
+            print(json.dumps(result), flush=True)
+            runs.append(result)
+            write_result(args.out, "async_stages", {"runs": runs, "table": table(runs)}, config, finished=False)
+    write_result(args.out, "async_stages", {"runs": runs, "table": table(runs)}, config)
+    print(json.dumps(table(runs), indent=1))
+
+
+if __name__ == "__main__":
+    main()
