@@ -169,12 +169,13 @@ def test_every_named_environment_resolves():
     assert env_factory("calculator", max_turns=2)().max_turns == 2
     assert env_factory("multi_attempt", max_attempts=5)().max_turns == 5
     assert env_factory("skyrl_gym", env_id="gsm8k")().env_id == "gsm8k"
-    assert ENVIRONMENTS.names() == ("calculator", "multi_attempt", "skyrl_gym")
+    # the built-in names are there; the registry may hold more (a new built-in, a user's): not pinned
+    assert {"calculator", "multi_attempt", "skyrl_gym"} <= set(ENVIRONMENTS.names())
     assert ENVIRONMENTS.get("calculator") is CalculatorEnvironment
 
 
 @pytest.mark.parametrize("name, kwargs, says", [
-    ("calculater", {}, "unknown task.env .calculater.; choose one of calculator, multi_attempt, skyrl_gym"),
+    ("calculater", {}, "unknown task.env .calculater.; choose one of .*calculator"),
     ("calculator", {"max_turn": 2}, "unexpected keyword argument 'max_turn'"),
     ("skyrl_gym", {"env_id": "text2sql"}, "not one that runs offline"),
 ])
