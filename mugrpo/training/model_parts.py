@@ -112,7 +112,8 @@ def step_optimizer(policy, optimizer, scheduler, state, max_grad_norm: float, ma
         state.bad_update_streak += 1
         state.num_skipped_updates += 1
         out["optim/skipped"] = 1.0
-        print(f"[mugrpo] warning: update {state.update} skipped: non-finite loss ({loss_value}) or gradient "
+        # state.update counts the finished updates: this one is the next, numbered as the metrics number it
+        print(f"[mugrpo] warning: update {state.update + 1} skipped: non-finite loss ({loss_value}) or gradient "
               f"norm ({grad_norm}); {state.bad_update_streak} in a row")
         if state.bad_update_streak >= max_bad_updates:
             raise TrainingError(f"{state.bad_update_streak} consecutive updates had a non-finite loss or "

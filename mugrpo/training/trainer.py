@@ -96,8 +96,11 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             ckpt.check_run_dir_free(rd.path)
         if resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
             source = replay_mod.recorded_source(rd.path)
+        # issue 34: with a warm start the directory is claimed, so the run's one stopper covers the warm start too
+        stopper = run.stop_on_signals() if warm else None
         if warm:  # RL starts from the warm start's model (warm_start_path): run it, resume it, or find it done
-            warm_start_model(cfg, rd)
+            warm_start_model(cfg, rd, stopper)
+            stop_if_requested(stopper, rd.path)  # a stop in the warm start's last step or export: before RL builds
         trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source)
         run.close_at_exit(trainer.close)
         if resume:
@@ -108,9 +111,11 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             if source is not None and world.is_main:
                 replay_mod.record_source(rd.path, source)
         trainer.start()
-        stopper = run.stop_on_signals()
+        stopper = stopper or run.stop_on_signals()
         trainer.evaluator.stopper = stopper
+        stop_if_requested(stopper, rd.path)  # a stop while RL's model and engine loaded
         trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
+        stop_if_requested(stopper, rd.path)  # issue 34: a stop that ended the first evaluation, before stage 0
         while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
             data, stage_metrics = trainer.source.stage(trainer.state, stopper)
             reason, optimize_s = trainer.optimise_stage(data, stage_metrics, stopper)
@@ -122,6 +127,13 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
             if dist.max_over_ranks(int(stopper.requested)) and more:
                 raise ckpt.Interrupted(rd.path)
         return trainer.finish()
+
+
+def stop_if_requested(stopper, run_dir: Path) -> None:
+    """Raise Interrupted (the loop's resume message) when any rank was asked to stop: between phases
+    that do not check on their own (the warm start's end, RL's model load, the first evaluation)."""
+    if dist.max_over_ranks(int(stopper.requested)):
+        raise ckpt.Interrupted(run_dir)
 
 
 def step_settings(cfg: Config, resolved: Resolved | None = None) -> StepSettings:

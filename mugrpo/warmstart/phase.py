@@ -48,6 +48,7 @@ from mugrpo.training.forward import response_logprobs
 from mugrpo.training.lifecycle import RunClaim
 from mugrpo.training.model_parts import ModelParts, TrainingError, build_model, step_optimizer
 from mugrpo.training.update import with_fillers
+from mugrpo.warmstart import guard
 from mugrpo.warmstart.data import DemonstrationError
 from mugrpo.warmstart.loss import num_steps, sft_loss, step_examples
 from mugrpo.warmstart.render import ENV_TURN, Example
@@ -93,15 +94,26 @@ class WarmStart:
     t_start: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def build(cls, cfg: Config, world, run_dir: RunDir, source: Source) -> "WarmStart":
+    def build(cls, cfg: Config, world, run_dir: RunDir, source: Source, stopper=None) -> "WarmStart":
         """Make ``source``'s examples with the model's tokenizer (printing the length rule's counts), then
-        build the model side with the warm start's learning rate and a schedule over its steps."""
+        build the model side with the warm start's learning rate and a schedule over its steps.
+        ``stopper``: an RL run's, checked while rendering (a stop raises Interrupted there)."""
         ws = cfg.warmstart
         model_path = dist.broadcast_object(resolve_model_path(cfg.model.name, cfg.model.cache_dir)
                                            if world.is_main else None)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         max_length = max_length_for(cfg, model_path)
-        examples, counts = source.examples(tokenizer, max_length)
+        # issue 34: progress while rendering (100k rows took minutes in silence), and a stop honoured there
+        ticker = Progress(cfg.train.progress and world.is_main, lines=world.is_main).ticker(
+            len(source), "warm start: rendering", unit="row")
+
+        def on_row() -> None:
+            ticker.advance(1)
+            if stopper is not None and stopper.requested and world.size == 1:  # ranks: checked after the build
+                raise ckpt.Interrupted(run_dir.path)
+
+        examples, counts = source.examples(tokenizer, max_length, on_row)
+        ticker.close()
         if world.is_main:
             if source.trajectories is not None:
                 print(f"[mugrpo] warm start (rejection sampling): {source.describe()}")
@@ -189,12 +201,19 @@ class WarmStart:
         bar = progress.bar(self.total_steps, "warm start", unit="step", initial=state.update)
         every = cfg.warmstart.checkpoint_every
         while state.update < self.total_steps:
+            t_step = time.perf_counter()
             metrics = self.step()
             state.update += 1
             state.update_in_stage = state.update
+            # issue 34: a line per step without bars; stop a warm start mostly skipped or diverged (warmstart/guard.py)
+            if world.is_main and not progress.enabled:
+                print(guard.step_line(state.update, self.total_steps, metrics, time.perf_counter() - t_step),
+                      flush=True)
             self.logger.log({"kind": "sft", "stage": 0, "update": state.update,
                              "time_s": time.perf_counter() - self.t_start, **metrics})
             progress.advance(bar, 1)
+            guard.check_step(state.update, self.total_steps, metrics["sft/loss"], state.num_skipped_updates,
+                             len(self.model.tokenizer), cfg.warmstart.lr)
             maybe_die("sft_step")
             # A signal may reach the ranks a step apart: all stop after the step one of them saw it in
             # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
@@ -215,11 +234,13 @@ class WarmStart:
         self.logger.close()
 
 
-def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None) -> Path:
+def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None, stopper=None) -> Path:
     """Run (or resume) a warm-start-only run in ``run_dir``; returns its final model folder, an HF
     folder that ``model.name`` of an RL run can name. ``cfg`` of a resume comes from
     :func:`mugrpo.training.checkpoint.resume_config` (or, inside an RL run, is the RL run's own);
-    ``rows``: the demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``)."""
+    ``rows``: the demonstrations a ``python:`` label in ``warmstart.data`` stands for (``mugrpo.sft``);
+    ``stopper``: the RL run's own (its warm start), else the warm start installs one when its steps
+    start."""
     world = dist.init(cfg.parallel.timeout_s)
     rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
@@ -228,13 +249,13 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
             run.claim()
         else:
             ckpt.check_run_dir_free(rd.path)
-        phase = WarmStart.build(cfg, world, rd, source)
+        phase = WarmStart.build(cfg, world, rd, source, stopper)
         run.close_at_exit(phase.close)
         if resume:
             phase.resume()
         else:
             run.claim()
-        return phase.run(run.stop_on_signals(name_resume_command=False))
+        return phase.run(stopper or run.stop_on_signals(name_resume_command=False))
 
 
 def warm_start_path(cfg: Config, run_dir: RunDir) -> str | None:
@@ -243,12 +264,13 @@ def warm_start_path(cfg: Config, run_dir: RunDir) -> str | None:
     return str(RunDir(run_dir.warmstart).final_model) if cfg.warmstart.data is not None else None
 
 
-def warm_start_model(cfg: Config, run_dir: RunDir) -> str:
+def warm_start_model(cfg: Config, run_dir: RunDir, stopper=None) -> str:
     """Run, resume or skip the warm start of the RL run in ``run_dir``; returns the folder RL starts from.
 
     The sub-run ``RUN_DIR/warmstart/`` trains with the RL run's config. Skipped when its final model
-    exists; resumed when it was started. Refused (ConfigError naming the key) when the sub-run found
-    there was trained from another ``model.name``, or with other settings."""
+    exists; resumed when it was started. ``stopper``: the RL run's, so a stop anywhere in the warm start
+    is the RL run's stop (the caller checks it after the warm start). Refused (ConfigError naming the
+    key) when the sub-run found there was trained from another ``model.name``, or with other settings."""
     sub = RunDir(run_dir.warmstart)
     if sub.config.is_file():
         _check_same_warm_start(cfg, sub)
@@ -256,7 +278,7 @@ def warm_start_model(cfg: Config, run_dir: RunDir) -> str:
         print(f"[mugrpo] warm start done earlier: RL starts from {sub.final_model}")
         return str(sub.final_model)
     try:
-        final = sft(cfg, sub.path, resume=sub.config.is_file())
+        final = sft(cfg, sub.path, resume=sub.config.is_file(), stopper=stopper)
     except ckpt.Interrupted as exc:
         raise ckpt.Interrupted(run_dir.path) from exc
     print(f"[mugrpo] warm start done: RL starts from {final}")

@@ -105,11 +105,17 @@ def truncate(example: Example, max_length: int) -> Optional[Example]:
                    example.response_mask[:room], example.source)
 
 
-def render_demonstrations(tokenizer, demos: list[Demonstration], max_length: int) -> tuple[list[Example], dict]:
+def render_demonstrations(tokenizer, demos: list[Demonstration], max_length: int,
+                          on_row=None) -> tuple[list[Example], dict]:
     """Every demonstration rendered and held to ``max_length`` tokens, and the counts:
     ``num_demonstrations``, ``num_truncated`` (kept, cut), ``num_dropped`` (nothing trained left),
-    ``num_loss_tokens`` (over the kept examples)."""
-    return hold_to_length([render_demonstration(tokenizer, demo) for demo in demos], max_length)
+    ``num_loss_tokens`` (over the kept examples). ``on_row()``: after each one (progress, a stop check)."""
+    rendered = []
+    for demo in demos:
+        rendered.append(render_demonstration(tokenizer, demo))
+        if on_row is not None:
+            on_row()
+    return hold_to_length(rendered, max_length)
 
 
 def hold_to_length(examples: list[Example], max_length: int) -> tuple[list[Example], dict]:
