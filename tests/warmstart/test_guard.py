@@ -26,7 +26,8 @@ def test_divergence_threshold_is_twice_a_uniform_guess():
 def test_mostly_skipped_steps_stop_the_warm_start(step, skipped, stops):
     call = lambda: check_step(step, 10, float("nan"), skipped, 100, 1e9)  # noqa: E731
     if stops:
-        with pytest.raises(TrainingError, match=f"{skipped} of its {step} steps were skipped.*warmstart.lr \\(now 1e\\+09\\)"):
+        message = f"{skipped} of its {step} steps were skipped.*warmstart.lr \\(now 1e\\+09\\)"
+        with pytest.raises(TrainingError, match=message):
             call()
     else:
         call()
