@@ -309,6 +309,12 @@ class EnvConfig:
     max_tokens_per_turn: Optional[int] = None
     """New tokens of one policy turn at most; None = ``rollout.max_new_tokens`` (the whole trajectory's
     budget, which still applies)."""
+    tool_error_prefix: Optional[str] = None
+    """A tool call fails when the tool raises (counted in ``env/tool_exceptions``). Set this (e.g.
+    ``"Error:"``) to also count a tool's string result that starts with it as a failure, in
+    ``env/tool_reported_errors`` and ``env/tool_success_frac`` (TRL tools often return an error string
+    instead of raising); the model reads the string unchanged. null: only a raise (or a timeout, a bad
+    call) is a failure."""
 
     def validate(self) -> None:
         check(1 <= self.max_turns <= 127, "env.max_turns", "1..127 (turns are stored as int8)", self.max_turns)
@@ -325,6 +331,8 @@ class EnvConfig:
               self.max_observation_chars)
         check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1, "env.max_tokens_per_turn",
               "None or an integer >= 1", self.max_tokens_per_turn)
+        check(self.tool_error_prefix is None or (isinstance(self.tool_error_prefix, str) and self.tool_error_prefix),
+              "env.tool_error_prefix", "null or a non-empty string such as 'Error:'", self.tool_error_prefix)
         if self.tool_timeout_s >= self.step_timeout_s:
             raise ConfigError(f"env.tool_timeout_s={self.tool_timeout_s} is not below env.step_timeout_s="
                               f"{self.step_timeout_s}: a hung tool would end its trajectory instead of answering "
