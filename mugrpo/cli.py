@@ -2,7 +2,7 @@
 ``report`` and ``serve`` live in their modules).
 
 Every verb that takes a config accepts ``--preset NAME``, ``--config FILE.yaml`` and ``key=value``
-overrides of any field (dotted names). Errors in user input exit with status 2 and one message
+overrides of any field (dotted names), anywhere on the line (:func:`parse_args`). Errors in user input exit with status 2 and one message
 that names the problem and the fix, never a traceback.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -66,13 +67,36 @@ def _resolve(args) -> "object":
     return load_config(args.preset, args.config, args.overrides)
 
 
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
+"""A ``key=value`` override: a dotted name, then ``=`` (the value may hold anything, ``=`` too)."""
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``parser``'s arguments, with ``key=value`` overrides accepted anywhere on the line (before, between
+    or after flags such as ``--run-dir``), as users type them. argparse alone takes one contiguous block
+    of positionals; the overrides it leaves over are appended in order. A left-over token that is neither
+    a known flag nor ``key=value`` (in a verb that takes overrides: any token) is an error (exit 2)."""
+    args, extra = parser.parse_known_args(argv)
+    if not extra:
+        return args
+    takes_overrides = isinstance(getattr(args, "overrides", None), list)
+    stray = [tok for tok in extra if not (takes_overrides and _OVERRIDE.match(tok))]
+    if stray:
+        hint = (" (a config override is key=value, e.g. loss.veto_delta=1e-3; a flag starts with --: "
+                f"mugrpo {args.verb} --help lists them)") if takes_overrides else ""
+        parser.error(f"unrecognized arguments: {' '.join(stray)}{hint}")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     # A crash in native code (e.g. a reward function that segfaults) still prints the Python stack.
     try:
         faulthandler.enable()
     except (AttributeError, ValueError):  # a stderr without a file descriptor (e.g. captured in tests)
         pass
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
     try:
         if getattr(args, "_extra_module", None):
             return __import__(args._extra_module, fromlist=["run"]).run(args) or 0
@@ -108,9 +132,10 @@ def _environment_plan(cfg) -> str:
     summary = build_env_factory(cfg.task, cfg.env).summary
     rows = describe_env(summary)
     try:
-        from mugrpo.models.loading import load_tokenizer
+        from mugrpo.models.loading import load_tokenizer, resolve_model_path
 
-        tokenizer = load_tokenizer(cfg.model.name)
+        # the built-in name (smollm2-135m-instruct) resolved as training and the warm-start rows resolve it
+        tokenizer = load_tokenizer(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - the plan still helps without the tokenizer (e.g. offline)
         rows.append(("env turn template", f"unknown: the tokenizer of {cfg.model.name} did not load "
                                                   f"({type(exc).__name__})"))

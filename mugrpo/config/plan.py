@@ -22,9 +22,11 @@ Definitions (docs/ALGORITHM.md section 3):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
+from mugrpo.config.presets import PRESETS
 from mugrpo.config.rules import stage_shape
 from mugrpo.config.schema import Config
 from mugrpo.errors import ConfigError
@@ -138,7 +140,90 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
                                f"rollout.dtype={cfg.rollout.dtype})"),
         ]
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    note = staleness_note(cfg)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + (f"\nnote: {note}" if note else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The presets' staleness at this budget: ``grpo`` fixes mu = 4 updates per stage, the stale
+# presets fix K = 4 stages (mu = U / 4), so below U = 16 the "stale" presets are the fresher ones, and at
+# U = 16 every preset has the same schedule.
+
+
+def _preset_mu(cfg: Config, preset: str) -> int | None:
+    """mu of ``preset``'s schedule keys at this config's budget (None: not a valid schedule there)."""
+    keys = {k.split(".", 1)[1]: v for k, v in PRESETS[preset].items() if k.startswith("schedule.")}
+    try:
+        return stage_shape(dataclasses.replace(cfg.schedule, **keys), cfg.rollout)[0]
+    except ConfigError:
+        return None
+
+
+def preset_staleness(cfg: Config) -> dict[str, tuple[str, int]] | None:
+    """Each preset's (kind, mu) at ``cfg``'s budget, kind ``fixed_mu`` (sets ``updates_per_stage``, e.g.
+    grpo) or ``fixed_stages`` (sets ``num_stages``, the stale presets); None when the comparison does not
+    apply: an adaptive schedule, or the config's own ``num_stages`` / ``updates_per_stage`` overriding its
+    preset's (then every preset would run that same schedule)."""
+    chosen = PRESETS.get(cfg.preset)
+    s = cfg.schedule
+    if chosen is None or s.adaptive != "none" or (s.num_stages, s.updates_per_stage) != (
+            chosen.get("schedule.num_stages"), chosen.get("schedule.updates_per_stage")):
+        return None
+    out = {}
+    for name, values in PRESETS.items():
+        mu = _preset_mu(cfg, name)
+        if mu is not None:
+            out[name] = ("fixed_mu" if values.get("schedule.updates_per_stage") else "fixed_stages", mu)
+    return out
+
+
+def staleness_note(cfg: Config) -> str | None:
+    """A note when, at this budget, the chosen preset's staleness is not on the side its kind is for: a
+    stale preset (fixed K stages) as fresh as or fresher than ``grpo`` (fixed mu), or the reverse; with
+    the overrides that restore the order (a larger ``schedule.total_updates``, or fewer stages on the
+    stale runs). None when the order holds or the comparison does not apply."""
+    table = preset_staleness(cfg)
+    if not table or cfg.preset not in table:
+        return None
+    kind, mu = table[cfg.preset]
+    fixed_mu = {n: m for n, (k, m) in table.items() if k == "fixed_mu"}
+    stale = {n: m for n, (k, m) in table.items() if k == "fixed_stages"}
+    if not fixed_mu or not stale or min(stale.values()) > max(fixed_mu.values()):
+        return None
+    fresh_mu, stale_mu = max(fixed_mu.values()), min(stale.values())
+    others = fixed_mu if kind == "fixed_stages" else stale
+    names = ", ".join(sorted(others))
+    U = cfg.schedule.total_updates
+    if stale_mu == fresh_mu:
+        what = (f"{cfg.preset} and {names} have the same schedule (mu={mu} updates per stage, staleness "
+                f"0 .. {mu - 1})")
+    else:
+        other_mu = fresh_mu if kind == "fixed_stages" else stale_mu
+        what = (f"{cfg.preset} has mu={mu} updates per stage (staleness 0 .. {mu - 1}) and {names} mu={other_mu} "
+                f"(0 .. {other_mu - 1}): the stale preset{'s are' if len(stale) > 1 else ' is'} the fresher")
+    fixes = []
+    larger = next((u for u in range(U + 1, 64 * U + 64) if _order_holds(cfg, u)), None)
+    if larger is not None:
+        fixes.append(f"schedule.total_updates={larger}")
+    stages = [k for k in range(stale_num_stages(cfg) - 1, 0, -1) if U % k == 0 and U // k > fresh_mu]
+    if stages:
+        fixes.append(f"schedule.num_stages={stages[0]} on the stale presets' runs (mu={U // stages[0]})")
+    return (f"at schedule.total_updates={U}, {what}, so comparing these presets compares only their clipping and "
+            "veto, not staleness" + (f". To keep the comparison meaningful: {' or '.join(fixes)}" if fixes else ""))
+
+
+def stale_num_stages(cfg: Config) -> int:
+    """The number of stages the stale presets fix (4)."""
+    return max(v.get("schedule.num_stages") or 0 for v in PRESETS.values())
+
+
+def _order_holds(cfg: Config, total: int) -> bool:
+    """At budget ``total``, every preset's schedule is valid and every stale one is staler than grpo."""
+    table = preset_staleness(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, total_updates=total)))
+    if table is None or len(table) < len(PRESETS):
+        return False
+    fixed_mu = [m for k, m in table.values() if k == "fixed_mu"]
+    return min(m for k, m in table.values() if k == "fixed_stages") > max(fixed_mu)
 
 
 def _stage_rows(plan: Plan, cfg: Config) -> list[tuple[str, object]]:

@@ -65,6 +65,11 @@ class TaskConfig:
     question never occurs in training (compared by text, case and spacing aside): training items with a
     held-out question are dropped, while training keeps two thirds of its distinct questions; a small
     pool gets fewer held-out items (the default task: 80), with a note."""
+    eval_path: Optional[str] = None
+    """A local file (jsonl/json/parquet/csv, the columns of ``task.kind=math``) of held-out rows, in place of
+    the generated or last ``eval_size`` ones (the CLI's ``eval_dataset=`` of ``mugrpo.train``): its first
+    ``eval_size`` rows are held out, the training data keeps every row of its own, and a training item
+    whose question is held out is dropped. null: held out as ``eval_size`` says."""
     seed: int = 0
     split: str = "train"
     """HF dataset split (kind=math)."""
@@ -111,6 +116,9 @@ class TaskConfig:
         check(self.max_prompt_tokens >= 1, "task.max_prompt_tokens", ">= 1", self.max_prompt_tokens)
         check(self.size >= 1, "task.size", ">= 1", self.size)
         check(self.eval_size >= 0, "task.eval_size", ">= 0", self.eval_size)
+        if self.eval_path is not None:
+            check(isinstance(self.eval_path, str) and bool(self.eval_path.strip()), "task.eval_path",
+                  "a path to a jsonl/json/parquet/csv file of held-out rows, or null", self.eval_path)
         # A per-call limit of inf makes setitimer raise on every call, so every reward would score 0.
         check(0 < self.reward_timeout_s < math.inf, "task.reward_timeout_s", "a finite number of seconds > 0",
                self.reward_timeout_s)
@@ -345,6 +353,12 @@ class EnvConfig:
     max_tokens_per_turn: Optional[int] = None
     """New tokens of one policy turn at most; None = ``rollout.max_new_tokens`` (the whole trajectory's
     budget, which still applies)."""
+    tool_error_prefix: Optional[str] = None
+    """A tool call fails when the tool raises (counted in ``env/tool_exceptions``). Set this (e.g.
+    ``"Error:"``) to also count a tool's string result that starts with it as a failure, in
+    ``env/tool_reported_errors`` and ``env/tool_success_frac`` (TRL tools often return an error string
+    instead of raising); the model reads the string unchanged. null: only a raise (or a timeout, a bad
+    call) is a failure."""
 
     def validate(self) -> None:
         check(1 <= self.max_turns <= 127, "env.max_turns", "1..127 (turns are stored as int8)", self.max_turns)
@@ -363,6 +377,8 @@ class EnvConfig:
               self.max_observation_chars)
         check(self.max_tokens_per_turn is None or self.max_tokens_per_turn >= 1, "env.max_tokens_per_turn",
               "None or an integer >= 1", self.max_tokens_per_turn)
+        check(self.tool_error_prefix is None or (isinstance(self.tool_error_prefix, str) and self.tool_error_prefix),
+              "env.tool_error_prefix", "null or a non-empty string such as 'Error:'", self.tool_error_prefix)
         if self.tool_timeout_s >= self.step_timeout_s:
             raise ConfigError(f"env.tool_timeout_s={self.tool_timeout_s} is not below env.step_timeout_s="
                               f"{self.step_timeout_s}: a hung tool would end its trajectory instead of answering "

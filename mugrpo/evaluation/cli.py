@@ -65,9 +65,6 @@ def run_eval(args) -> dict:
     report (``tasks``, ``overall``, ``settings``; :func:`mugrpo.evaluate` returns it to Python)."""
     from mugrpo.evaluation.sets import resolve, split_specs
     from mugrpo.evaluation.metrics import macro_average
-    from mugrpo.evaluation.evaluate import (EnvEval, generate_and_score, render_prompts, stop_if_nothing_started,
-                                            summarize_generations)
-    from mugrpo.rollout.envs.build import build_env_factory
     from mugrpo.models.loading import check_fits, load_tokenizer, model_context
 
     source = resolve_model(args.model)
@@ -91,7 +88,6 @@ def run_eval(args) -> dict:
         check_fits(source["model_path"], context, es.task_cfg.max_prompt_tokens, {new_key: settings.max_new_tokens})
     engine_kind, engine = _make_engine(args.engine or cfg.rollout.engine, source["model_path"],
                                        tokenizer, cfg, args.seed)
-    results, samples = {}, []
     try:
         if source["weights"] is not None:
             from safetensors.torch import load_file
@@ -100,20 +96,7 @@ def run_eval(args) -> dict:
 
             engine.load_weights(checkpoint_weights(source["model_path"], cfg.lora, load_file(source["weights"]),
                                                    cfg.model.trust_remote_code))
-        for es in eval_sets:
-            prompts, items = render_prompts(tokenizer, es.items, es.task_cfg)
-            total = len(items) * (int(settings.greedy) + settings.n)
-            t0 = time.perf_counter()
-            env = EnvEval.build(build_env_factory(es.task_cfg, cfg.env, es.task), cfg, es.task_cfg,
-                                settings.max_new_tokens)
-            gen = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
-                                     progress=_bar(total, es.name), env=env)
-            stop_if_nothing_started(gen, env)
-            metrics = summarize_generations(gen, settings)
-            metrics["eval_s"] = time.perf_counter() - t0
-            metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
-            results[es.name] = metrics
-            samples += [{"task": es.name, **r, "answer": items[r["item"]].answer} for r in gen.records]
+        results, samples = _evaluate_sets(engine, tokenizer, eval_sets, cfg, settings)
     finally:
         engine.close()
     overall = macro_average([{k: v for k, v in m.items() if _is_score(k)} for m in results.values()])
@@ -135,6 +118,51 @@ def run_eval(args) -> dict:
                 fh.write(json.dumps(row) + "\n")
         print(f"[mugrpo] {len(samples)} responses written to {args.samples}")
     return report
+
+
+def _evaluate_sets(engine, tokenizer, eval_sets, cfg, settings) -> tuple[dict, list]:
+    """(metrics per task name, in the order given; the ``--samples`` records). The single-turn tasks are
+    generated together, one engine call per mode over all their items
+    (:func:`mugrpo.evaluation.evaluate.generate_and_score_tasks`): a task's ``s`` and ``tok/s`` are then
+    its share, by response tokens, of that call. A task through an environment runs on its own."""
+    from mugrpo.evaluation.evaluate import (EnvEval, generate_and_score, generate_and_score_tasks, render_prompts,
+                                            stop_if_nothing_started, summarize_generations)
+    from mugrpo.rollout.envs.build import build_env_factory, start_tool_workers
+
+    envs = [EnvEval.build(build_env_factory(es.task_cfg, cfg.env, es.task), cfg, es.task_cfg, settings.max_new_tokens)
+            for es in eval_sets]
+    for es in eval_sets:  # process-isolated tools: their workers start before any step's clock
+        if (line := start_tool_workers(es.task_cfg, cfg.env)) is not None:
+            print(line, file=sys.stderr)
+    rendered = [render_prompts(tokenizer, es.items, es.task_cfg) for es in eval_sets]
+    per_response = int(settings.greedy) + settings.n
+    gens, seconds = [None] * len(eval_sets), [0.0] * len(eval_sets)
+    plain = [i for i, env in enumerate(envs) if env is None]
+    if plain:
+        total = sum(len(rendered[i][1]) for i in plain) * per_response
+        t0 = time.perf_counter()
+        batch = generate_and_score_tasks(engine, tokenizer, [(eval_sets[i].task, rendered[i][1], rendered[i][0])
+                                                             for i in plain], settings,
+                                         progress=_bar(total, ",".join(eval_sets[i].name for i in plain)))
+        batch_s, generate_s = time.perf_counter() - t0, sum(g.generate_s for g in batch)
+        for i, gen in zip(plain, batch):
+            gens[i], seconds[i] = gen, batch_s * gen.generate_s / generate_s if generate_s else batch_s / len(plain)
+    for i, (es, env) in enumerate(zip(eval_sets, envs)):
+        if env is not None:
+            prompts, items = rendered[i]
+            t0 = time.perf_counter()
+            gens[i] = generate_and_score(engine, tokenizer, es.task, items, prompts, settings,
+                                         progress=_bar(len(items) * per_response, es.name), env=env)
+            stop_if_nothing_started(gens[i], env)
+            seconds[i] = time.perf_counter() - t0
+    results, samples = {}, []
+    for es, (_, items), gen, s in zip(eval_sets, rendered, gens, seconds):
+        metrics = summarize_generations(gen, settings)
+        metrics["eval_s"] = s
+        metrics["tok_s"] = sum(gen.lengths) / max(gen.generate_s, 1e-9)
+        results[es.name] = metrics
+        samples += [{"task": es.name, **r, "answer": items[r["item"]].answer} for r in gen.records]
+    return results, samples
 
 
 def _check_writable_file(path: Path, flag: str) -> None:

@@ -130,6 +130,53 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
         out.greedy = [] if settings.greedy else None
         out.samples = [] if settings.n else None
         return out
+    runs = _runs(settings)
+    for mode, sampling in runs:
+        t0 = time.perf_counter()
+        responses = _Responses(*_responses(engine, tokenizer, items, prompts, sampling, progress, env, out))
+        out.generate_s += time.perf_counter() - t0
+        _add_mode(out, task, items, (mode, sampling), responses, settings, tokenizer)
+    if out.env_failures:
+        print(f"[mugrpo] warning: evaluation: {len(out.env_failures)} item start(s) of {len(items) * len(runs)} "
+              "skipped, their environment failed to start (counted in env/num_items_skipped; the metrics are over "
+              f"the other items). The first:\n{out.env_failures[0]}", file=sys.stderr)
+    return out
+
+
+def generate_and_score_tasks(engine, tokenizer, parts: list[tuple[Task, list[Item], list[list[int]]]],
+                             settings: EvalSettings, progress: Optional[Callable[[int], None]] = None
+                             ) -> list[Generations]:
+    """Single-turn tasks evaluated together: each mode's prompts of every task in ONE engine call (a batch
+    of all the items, not one small batch per task), then each task's responses scored by its own task.
+    ``parts``: (task, items, prompts) per task; one :class:`Generations` per part, in order. A task's
+    ``generate_s`` is its share, by response tokens, of the calls' seconds (its tok/s is the batch's)."""
+    outs = [Generations() for _ in parts]
+    bounds = [0]
+    for _, items, _ in parts:
+        bounds.append(bounds[-1] + len(items))
+    prompts = [p for _, _, part_prompts in parts for p in part_prompts]
+    for mode, sampling in _runs(settings):
+        t0 = time.perf_counter()
+        groups = engine.generate(prompts, sampling, progress=progress) if prompts else []
+        seconds = time.perf_counter() - t0
+        tokens = [sum(len(c.token_ids) for g in groups[lo:hi] for c in g) for lo, hi in zip(bounds, bounds[1:])]
+        for j, ((task, items, _), out) in enumerate(zip(parts, outs)):
+            flat = [c for g in groups[bounds[j]:bounds[j + 1]] for c in g]
+            responses = _Responses([tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in flat],
+                                   [len(c.token_ids) for c in flat], [c.finish_reason != "stop" for c in flat],
+                                   None, list(range(len(items))))
+            out.generate_s += seconds * tokens[j] / max(sum(tokens), 1)
+            _add_mode(out, task, items, (mode, sampling), responses, settings, tokenizer)
+    for out in outs:  # a task without items: as generate_and_score leaves it
+        if out.greedy is None and settings.greedy:
+            out.greedy = []
+        if out.samples is None and settings.n:
+            out.samples = []
+    return outs
+
+
+def _runs(settings: EvalSettings) -> list[tuple[str, SamplingConfig]]:
+    """The modes asked for: (``greedy``, temperature 0) and/or (``sample``, n per item)."""
     runs = []
     if settings.greedy:
         runs.append(("greedy", SamplingConfig(n=1, temperature=0.0, max_new_tokens=settings.max_new_tokens,
@@ -137,32 +184,40 @@ def generate_and_score(engine, tokenizer, task: Task, items: list[Item], prompts
     if settings.n:
         runs.append(("sample", SamplingConfig(n=settings.n, temperature=settings.temperature, top_p=settings.top_p,
                                               top_k=0, max_new_tokens=settings.max_new_tokens, seed=settings.seed)))
-    for mode, sampling in runs:
-        t0 = time.perf_counter()
-        texts, lengths, truncated, trajs, kept = _responses(engine, tokenizer, items, prompts, sampling, progress,
-                                                            env, out)
-        out.generate_s += time.perf_counter() - t0
-        repeated = [items[i] for i in kept for _ in range(sampling.n)]
-        scores = task.score_eval(texts, repeated)[0].tolist() if texts else []
-        if trajs is not None:
-            out.env_rewards[mode] = [t.env_reward for t in trajs]
-            out.rewards[mode] = [float(x) + t.env_reward for x, t in zip(scores, trajs)]
-        per_item = [scores[j * sampling.n:(j + 1) * sampling.n] for j in range(len(kept))]
-        if mode == "greedy":
-            out.greedy = [row[0] for row in per_item]
-        else:
-            out.samples = per_item
-        out.lengths += lengths
-        out.truncated += truncated
-        if settings.keep_text:
-            out.records += [{"item": kept[i // sampling.n], "mode": mode, "text": text, "score": float(score),
-                             **({} if trajs is None else trajectory_record(trajs[i], tokenizer))}
-                            for i, (text, score) in enumerate(zip(texts, scores))]
-    if out.env_failures:
-        print(f"[mugrpo] warning: evaluation: {len(out.env_failures)} item start(s) of {len(items) * len(runs)} "
-              "skipped, their environment failed to start (counted in env/num_items_skipped; the metrics are over "
-              f"the other items). The first:\n{out.env_failures[0]}", file=sys.stderr)
-    return out
+    return runs
+
+
+@dataclass
+class _Responses:
+    """One mode's responses to a task's items (:func:`_responses`): sampling.n per kept item, item-major."""
+
+    texts: list[str]
+    lengths: list[int]
+    truncated: list[bool]
+    trajs: Optional[list]
+    kept: list[int]
+
+
+def _add_mode(out: Generations, task: Task, items: list[Item], run: tuple[str, SamplingConfig], r: _Responses,
+              settings: EvalSettings, tokenizer) -> None:
+    """Score one mode's responses with ``task`` and add them to ``out`` (scores, lengths, records)."""
+    mode, sampling = run
+    repeated = [items[i] for i in r.kept for _ in range(sampling.n)]
+    scores = task.score_eval(r.texts, repeated)[0].tolist() if r.texts else []
+    if r.trajs is not None:
+        out.env_rewards[mode] = [t.env_reward for t in r.trajs]
+        out.rewards[mode] = [float(x) + t.env_reward for x, t in zip(scores, r.trajs)]
+    per_item = [scores[j * sampling.n:(j + 1) * sampling.n] for j in range(len(r.kept))]
+    if mode == "greedy":
+        out.greedy = [row[0] for row in per_item]
+    else:
+        out.samples = per_item
+    out.lengths += r.lengths
+    out.truncated += r.truncated
+    if settings.keep_text:
+        out.records += [{"item": r.kept[i // sampling.n], "mode": mode, "text": text, "score": float(score),
+                         **({} if r.trajs is None else trajectory_record(r.trajs[i], tokenizer))}
+                        for i, (text, score) in enumerate(zip(r.texts, scores))]
 
 
 def stop_if_nothing_started(gen: Generations, env: Optional[EnvEval]) -> None:

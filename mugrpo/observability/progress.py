@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 _SHOWN = (("loss/policy", "loss", "{:+.4f}"), ("loss/clip_frac_low", "clip_lo", "{:.3f}"),
           ("loss/clip_frac_high", "clip_hi", "{:.3f}"), ("loss/veto_token_frac", "veto", "{:.3f}"),
@@ -20,8 +21,11 @@ def _fmt(fmt: str, value) -> str:
 
 
 class Progress:
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    """``enabled``: bars and summaries; ``lines``: with bars off, still print a long step's
+    occasional line (:meth:`ticker`) and the warm start's line per step (False on ranks other than 0)."""
+
+    def __init__(self, enabled: bool = True, lines: bool = True):
+        self.enabled, self.lines = enabled, lines
 
     def bar(self, total: int, desc: str, unit: str = "upd", initial: int = 0):
         if not self.enabled:
@@ -45,6 +49,11 @@ class Progress:
     def close(self, bar) -> None:
         if bar is not None:
             bar.close()
+
+    def ticker(self, total: int, desc: str, unit: str, every_s: float = 30.0) -> "Ticker":
+        """Progress through ``total`` items of a long step with no other output: a bar, or with
+        ``train.progress=false`` one line at most every ``every_s`` seconds (quiet on other ranks)."""
+        return Ticker(self.bar(total, desc, unit=unit), total, desc, unit, every_s if self.lines else None)
 
     def stage_summary(self, stage: int, m: dict) -> None:
         if not self.enabled:
@@ -74,3 +83,27 @@ class Progress:
         parts = scores + [f"len {_fmt('{:.1f}', m.get('eval/response_len_mean'))}",
                           f"{m.get('eval/num_items', 0)} items", f"{m.get('perf/eval_s', 0.0):.1f}s"]
         print(f"[mugrpo] eval @ update {update}: " + " | ".join(parts), file=sys.stderr, flush=True)
+
+
+class Ticker:
+    """See :meth:`Progress.ticker`: ``advance(n)`` after each ``n`` items, ``close()`` at the end."""
+
+    def __init__(self, bar, total: int, desc: str, unit: str, every_s: float | None):
+        self.bar, self.total, self.desc, self.unit, self.every_s = bar, total, desc, unit, every_s
+        self.done, self.t0 = 0, time.perf_counter()
+        self._last = self.t0
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.perf_counter()
+        if self.every_s is not None and now - self._last >= self.every_s and self.done < self.total:
+            self._last = now
+            print(f"[mugrpo] {self.desc}: {self.done} of {self.total} {self.unit}s ({now - self.t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

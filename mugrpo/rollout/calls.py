@@ -117,6 +117,18 @@ class CallRunner:
                     return [st.result for st in states]  # type: ignore[misc]
                 cond.wait(max(0.0, min(running)) if running else None)
 
+    def prestart(self, count: int, warm: Optional[Callable[[], Any]] = None) -> float:
+        """``process`` isolation: start ``count`` idle workers now, each having run ``warm`` (a picklable
+        call, e.g. importing the tools' modules), so that no call (nor the environment step around it,
+        timed by ``env.step_timeout_s``) waits for a worker's start-up; a killed worker is replaced in
+        the background. Returns the seconds it took (0 under ``thread``); raises when a worker fails to
+        start within :data:`WORKER_START_S`."""
+        if self._workers is None:
+            return 0.0
+        t0 = time.monotonic()
+        self._workers.prestart(count, warm)
+        return time.monotonic() - t0
+
     def _work(self, call: Callable[[], Any], st: _Call, cond: threading.Condition, timeout_s: float) -> None:
         self._slots.acquire()
         worker = None
@@ -163,6 +175,10 @@ def _refusal() -> CallResult:
 # Worker processes (isolation="process").
 
 
+def _noop() -> None:
+    """The warm call of a prestarted worker with nothing to import."""
+
+
 def _worker_main(conn) -> None:
     """A worker's loop: receive a pickled call, send back ("ok", value) or ("error", traceback, exc)."""
     while True:
@@ -192,22 +208,55 @@ class _WorkerPool:
         self._idle: list = []
         self._lock = threading.Lock()
         self._ctx = multiprocessing.get_context("spawn")
+        self._warm: Optional[Callable[[], Any]] = None
+        """Set by :meth:`prestart`: then a killed worker is replaced at once, in the background."""
+
+    def prestart(self, count: int, warm: Optional[Callable[[], Any]]) -> None:
+        """Start workers (concurrently) until ``count`` are idle, each warmed by ``warm``; see
+        :meth:`CallRunner.prestart`."""
+        self._warm = warm or _noop
+        with self._lock:
+            missing = max(0, count - len(self._idle))
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=self._start_one, args=(errors,), daemon=True) for _ in range(missing)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def _start_one(self, errors: Optional[list] = None) -> None:
+        """Start a worker, run the warm call in it, and put it with the idle ones."""
+        try:
+            proc, conn = self.begin(self._warm or _noop, new=True)
+            result = self.finish((proc, conn), WORKER_START_S)
+            if not result.ok:
+                raise RuntimeError(f"a worker process did not start: {result.error or 'timed out'}")
+        except BaseException as exc:  # noqa: BLE001 - reported by prestart (a background replacement: dropped)
+            if errors is not None:
+                errors.append(exc)
 
     def take(self):
         """An idle worker (process, connection), or a new one."""
         with self._lock:
             if self._idle:
                 return self._idle.pop()
+        return self._spawn()
+
+    def _spawn(self):
+        """A new worker (process, connection)."""
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="mugrpo-call-worker")
         proc.start()
         child.close()
         return proc, parent
 
-    def begin(self, call: Callable[[], Any]):
-        """Send ``call`` to a worker and wait until it has begun (bounded by :data:`WORKER_START_S`);
-        the worker. Raises when the call does not pickle or unpickle, or the worker does not start."""
-        proc, conn = self.take()
+    def begin(self, call: Callable[[], Any], new: bool = False):
+        """Send ``call`` to a worker (``new``: a new one, else an idle one if any) and wait until it has
+        begun (bounded by :data:`WORKER_START_S`); the worker. Raises when the call does not pickle or
+        unpickle, or the worker does not start."""
+        proc, conn = self._spawn() if new else self.take()
         try:
             conn.send(call)
         except Exception:  # the call does not pickle: an error of that call, the worker is fine
@@ -247,11 +296,12 @@ class _WorkerPool:
             return CallResult(value=payload)
         return CallResult(error=payload, exception=exc if exc is not None else RuntimeError(payload))
 
-    @staticmethod
-    def _kill(proc, conn) -> None:
+    def _kill(self, proc, conn) -> None:
         proc.kill()
         proc.join()
         conn.close()
+        if self._warm is not None:  # prestarted: the replacement starts now, not inside the next call's step
+            threading.Thread(target=self._start_one, daemon=True, name="mugrpo-call-worker-start").start()
 
     def _give_back(self, proc, conn) -> None:
         with self._lock:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -303,7 +304,11 @@ def _environment_turn(stepping: list[Trajectory], limits: LoopLimits, render: En
             return t.env.step(t.final_text)
         return call
 
+    t0 = time.perf_counter()
     results = run_calls([step(t) for t in stepping], limits.max_workers, limits.step_timeout_s)
+    waited = (time.perf_counter() - t0) / max(len(stepping), 1)
+    for t in stepping:  # the turn's wall-clock wait, shared out: the trajectories' sum is the loop's wait
+        t.metadata["step_wait_s"] = t.metadata.get("step_wait_s", 0.0) + waited
     for t, r in zip(stepping, results):
         if r.timed_out:
             _end(t, "env_timeout", f"env.step ran past {limits.step_timeout_s:g} s")
@@ -441,10 +446,20 @@ def loop_counts(trajs: list[Trajectory]) -> dict[str, float]:
         "env/num_env_tokens": float(sum(len(t.turns) for t in trajs) - num_policy),
     })
     keys = sorted({k for t in trajs for k in t.metadata})
+    if trajs and any(_is_tool_env(t.env) for t in trajs):  # tool counts present as 0 when no step was reached
+        from mugrpo.rollout.envs.tools import COUNT_KEYS
+
+        keys = sorted(set(keys) | set(COUNT_KEYS) | {"step_wait_s"})
     counts.update({f"env/{k}": sum(t.metadata.get(k, 0.0) for t in trajs) for k in keys})
     if "tool_calls" in keys:  # a tool environment: how many trajectories called a tool at all
         counts["env/num_with_tool_call"] = float(sum(t.metadata.get("tool_calls", 0.0) > 0 for t in trajs))
     return counts
+
+
+def _is_tool_env(env) -> bool:
+    from mugrpo.rollout.envs.tools import ToolEnvironment
+
+    return isinstance(env, ToolEnvironment)
 
 
 def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
@@ -452,7 +467,9 @@ def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
 
     With tools: ``env/tool_call_frac`` (trajectories that made at least one call / all) and
     ``env/tool_success_frac`` (calls answered without an error / calls; NaN without a call); the
-    counts per tool are ``env/tool_calls/<name>`` and ``env/tool_errors/<name>``."""
+    counts per tool are ``env/tool_calls/<name>`` and ``env/tool_errors/<name>``; ``perf/tool_wait_s``:
+    the wall-clock seconds the rollout loop waited for the tool environments' steps (their tool calls),
+    summed over rounds and ranks (``perf/env_wait_s`` for an environment without tools)."""
     out = dict(counts)
     n = max(out.pop("env/num_trajectories"), 1.0)
     out["env/turns_mean"] = out.pop("env/num_turns") / n
@@ -461,6 +478,9 @@ def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
         out["env/tool_call_frac"] = out["env/num_with_tool_call"] / n
         calls = out.get("env/tool_calls", 0.0)
         out["env/tool_success_frac"] = 1.0 - out.get("env/tool_errors", 0.0) / calls if calls else math.nan
+    wait = out.pop("env/step_wait_s", None)  # a duration, not a count: under perf/, beside the stage's timings
+    if wait is not None:
+        out["perf/tool_wait_s" if "env/num_with_tool_call" in out else "perf/env_wait_s"] = wait
     return out
 
 

@@ -116,11 +116,26 @@ def build_task(task_cfg, rows: Optional[list[dict]] = None, eval_rows: Optional[
         name, items, eval_items, correctness = _python_rows(task_cfg, rows, eval_rows)
     else:  # the source registered as task.kind (mugrpo.rollout.TASK_KINDS)
         name, items, eval_items, correctness = TASK_KINDS.get(task_cfg.kind)(task_cfg)
+    if task_cfg.eval_path is not None:  # a held-out file named on the command line (task.eval_path)
+        if eval_rows is not None:
+            raise TaskError("task.eval_path and eval_dataset both name the held-out rows; give one of them")
+        eval_items = _eval_file_items(task_cfg)
     rewards, eval_reward = _rewards(task_cfg, correctness)
     if any(r.builtin and r.fn is _math_verify for r in rewards):
         _require_answers(name, items + eval_items)
     items, eval_items = clean_split(name, items, eval_items, task_cfg.eval_size)
     return Task(name, items, eval_items, rewards, task_cfg.reward_timeout_s, eval_reward)
+
+
+def _eval_file_items(task_cfg) -> list[Item]:
+    """The held-out items of ``task.eval_path``, read as ``task.kind=math`` reads its file."""
+    path = task_cfg.eval_path
+    if Path(path).expanduser().suffix.lower() not in _FILE_FORMATS:
+        raise TaskError(f"task.eval_path={path!r}: a local file ending in {', '.join(_FILE_FORMATS)} is needed")
+    rows = load_rows(path)
+    if not rows:
+        raise TaskError(f"task.eval_path={path!r} has no rows")
+    return items_from_rows(rows, task_cfg, f"task.eval_path={path!r}")
 
 
 def rows_source(task_cfg):
@@ -317,8 +332,10 @@ def math_source(task_cfg):
     rows = load_rows(task_cfg.name, task_cfg.split, task_cfg.subset)
     if not rows:
         raise TaskError(f"dataset {task_cfg.name!r} is empty")
-    return (task_cfg.name, *_tail_held_out(items_from_rows(rows, task_cfg, repr(task_cfg.name)), task_cfg.eval_size),
-            _math_verify)
+    items = items_from_rows(rows, task_cfg, repr(task_cfg.name))
+    if task_cfg.eval_path is not None:  # the held-out rows are that file's: every row here trains
+        return task_cfg.name, items, [], _math_verify
+    return (task_cfg.name, *_tail_held_out(items, task_cfg.eval_size), _math_verify)
 
 
 def _python_rows(task_cfg, rows, eval_rows):
@@ -326,8 +343,9 @@ def _python_rows(task_cfg, rows, eval_rows):
     if not rows:
         raise TaskError("train_dataset is empty")
     items = items_from_rows(rows, task_cfg, "train_dataset")
-    if eval_rows is None:
-        return (task_cfg.name, *_tail_held_out(items, task_cfg.eval_size), _math_verify)
+    if eval_rows is None:  # with task.eval_path, build_task takes the held-out rows from that file
+        held = task_cfg.eval_path is None
+        return (task_cfg.name, *(_tail_held_out(items, task_cfg.eval_size) if held else (items, [])), _math_verify)
     held_out = items_from_rows(eval_rows, task_cfg, "eval_dataset") if eval_rows else []
     return task_cfg.name, items, held_out, _math_verify
 

@@ -244,8 +244,23 @@ def start_signal(stats: dict, env: dict, dynamic_metrics: dict) -> str:
     line = (f"[mugrpo] stage 0, the starting policy: {informative:.0%} of its groups are informative (nonzero "
             "reward variance, the only ones with a gradient)")
     if "env/tool_call_frac" in env:
-        line += f"; {env['env/tool_call_frac']:.0%} of its trajectories called a tool"
-        if env["env/tool_call_frac"] == 0:
-            line += (". No trajectory called a tool, so RL cannot reinforce tool use: warm-start the model on "
-                     "demonstrations first (warmstart.data, docs/WARMSTART.md)")
+        line += tool_use_advice(env)
     return line
+
+
+def tool_use_advice(env: dict) -> str:
+    """What stage 0's tool counts say, from what happened: calls made, timed out, or lost with a
+    step that ran past ``env.step_timeout_s`` (a step's calls are counted only when it returns)."""
+    calls, timeouts = int(env.get("env/tool_calls", 0)), int(env.get("env/tool_timeouts", 0))
+    step_timeouts = int(env.get("env/num_env_timeout", 0))
+    text = f"; {env['env/tool_call_frac']:.0%} of its trajectories called a tool ({calls} calls"
+    text += f", {timeouts} past env.tool_timeout_s)" if timeouts else ")"
+    if step_timeouts:
+        text += (f"; {step_timeouts} trajectories ended with a step past env.step_timeout_s, whose tool calls are not "
+                 "counted: raise env.step_timeout_s (or lower env.tool_timeout_s so a slow call answers in time)")
+    elif calls and timeouts == calls:
+        text += ". Every tool call timed out: raise env.tool_timeout_s, or make the tool faster"
+    elif env["env/tool_call_frac"] == 0:
+        text += (". No trajectory called a tool, so RL cannot reinforce tool use: warm-start the model on "
+                 "demonstrations first (warmstart.data, docs/WARMSTART.md)")
+    return text

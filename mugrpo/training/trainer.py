@@ -41,7 +41,8 @@ from mugrpo.config.plan import Plan, format_plan, make_plan
 from mugrpo.models import lora
 from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
-from mugrpo.rollout.envs.build import build_env_factory, describe_env, format_rows, turn_budget_rows
+from mugrpo.rollout.envs.build import (build_env_factory, describe_env, format_rows, start_tool_workers,
+                                       turn_budget_rows)
 from mugrpo.rollout.tasks import Task, build_task
 from mugrpo.faults import maybe_die, should_poison
 from mugrpo.hardware import Resolved, detect, resolve
@@ -182,6 +183,8 @@ class Trainer:
         policy, tokenizer, model_path = m.policy, m.tokenizer, m.model_path
         task = task or build_task(cfg.task)
         env_factory = build_env_factory(cfg.task, cfg.env, task)
+        if (line := start_tool_workers(cfg.task, cfg.env)) and world.is_main:  # before any step's clock starts
+            print(line)
         if env_factory is None and cfg.task.reward_fn == "none":
             raise ConfigError("task.reward_fn=none leaves nothing to score: it is for an environment that scores "
                               "itself (task.env / task.tools); set task.env, or a task.reward_fn")

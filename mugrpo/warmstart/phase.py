@@ -47,7 +47,9 @@ from mugrpo.kit.model_parts import ModelParts, build_model
 from mugrpo.kit.order import step_examples
 from mugrpo.kit.step import accumulate, check_some_steps_applied, device_batches, step_optimizer
 from mugrpo.stages.data import StageData
+from mugrpo import stopping
 from mugrpo.stopping import Interrupted
+from mugrpo.warmstart import guard
 from mugrpo.warmstart.data import DemonstrationError
 from mugrpo.warmstart.loss import num_steps, sft_loss
 from mugrpo.warmstart.render import ENV_TURN, Example
@@ -97,13 +99,24 @@ class WarmStart:
     @classmethod
     def build(cls, cfg: Config, world, run_dir: RunDir, source: Source) -> "WarmStart":
         """Make ``source``'s examples with the model's tokenizer (printing the length rule's counts), then
-        build the model side with the warm start's learning rate and a schedule over its steps."""
+        build the model side with the warm start's learning rate and a schedule over its steps. A stop
+        requested while rendering raises Interrupted there (one process; ranks check after the build)."""
         ws = cfg.warmstart
         model_path = dist.broadcast_object(resolve_model_path(cfg.model.name, cfg.model.cache_dir)
                                            if world.is_main else None)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
         max_length = max_length_for(cfg, model_path)
-        examples, counts = source.examples(tokenizer, max_length)
+        # progress while rendering (100k rows took minutes in silence), and a stop honoured there
+        ticker = Progress(cfg.train.progress and world.is_main, lines=world.is_main).ticker(
+            len(source), "warm start: rendering", unit="row")
+
+        def on_row() -> None:
+            ticker.advance(1)
+            if world.size == 1:  # ranks: checked after the build, all alike (RunLifecycle.stop_point)
+                stopping.check()
+
+        examples, counts = source.examples(tokenizer, max_length, on_row)
+        ticker.close()
         if world.is_main:
             if source.trajectories is not None:
                 print(f"[mugrpo] warm start (rejection sampling): {source.describe()}")
@@ -179,12 +192,19 @@ class WarmStart:
         bar = progress.bar(self.total_steps, "warm start", unit="step", initial=state.update)
         every = cfg.warmstart.checkpoint_every
         while state.update < self.total_steps:
+            t_step = time.perf_counter()
             metrics = self.step()
             state.update += 1
             state.update_in_stage = state.update
+            # a line per step without bars; stop a warm start mostly skipped or diverged (warmstart/guard.py)
+            if world.is_main and not progress.enabled:
+                print(guard.step_line(state.update, self.total_steps, metrics, time.perf_counter() - t_step),
+                      flush=True)
             self.logger.log({"kind": "sft", "stage": 0, "update": state.update,
                              "time_s": time.perf_counter() - self.t_start, **metrics})
             progress.advance(bar, 1)
+            guard.check_step(state.update, self.total_steps, metrics["sft/loss"], state.num_skipped_updates,
+                             len(self.model.tokenizer), cfg.warmstart.lr)
             maybe_die("sft_step")
             # A signal may reach the ranks a step apart: all stop after the step one of them saw it in
             # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).

@@ -132,12 +132,17 @@ def truncate(example: Example, max_length: int) -> Optional[Example]:
                    example.response_mask[:room], example.source)
 
 
-def render_demonstrations(tokenizer, demos: list[Demonstration], max_length: int) -> tuple[list[Example], dict]:
+def render_demonstrations(tokenizer, demos: list[Demonstration], max_length: int,
+                          on_row=None) -> tuple[list[Example], dict]:
     """Every demonstration rendered and held to ``max_length`` tokens, and the counts:
     ``num_demonstrations``, ``num_truncated`` (kept, cut), ``num_dropped`` (nothing trained left),
     ``num_loss_tokens`` (over the kept examples), ``num_cut_texts`` (texts cut by characters before
-    they were tokenized)."""
-    rendered = [_render(tokenizer, demo, max_length) for demo in demos]
+    they were tokenized). ``on_row()``: after each one (progress, a stop check)."""
+    rendered = []
+    for demo in demos:
+        rendered.append(_render(tokenizer, demo, max_length))
+        if on_row is not None:
+            on_row()
     examples, counts = hold_to_length([example for example, _ in rendered], max_length)
     return examples, {**counts, "num_cut_texts": sum(n for _, n in rendered)}
 

@@ -49,11 +49,11 @@ class Source:
     def __len__(self) -> int:
         return len(self.demos) if self.demos is not None else len(self.trajectories or [])
 
-    def examples(self, tokenizer, max_length: int) -> tuple[list[Example], dict]:
+    def examples(self, tokenizer, max_length: int, on_row=None) -> tuple[list[Example], dict]:
         """The examples held to ``max_length`` tokens, and the length rule's counts (with a run's
-        selection counts beside them)."""
+        selection counts beside them). ``on_row()``: after each demonstration is rendered."""
         if self.demos is not None:
-            return render_demonstrations(tokenizer, self.demos, max_length)
+            return render_demonstrations(tokenizer, self.demos, max_length, on_row)
         examples, counts = hold_to_length(self.trajectories or [], max_length)
         return examples, {**counts, **{k: v for k, v in self.selection.items() if k != "reward_max"}}
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from mugrpo.cli import main
 from mugrpo.config import load_config
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.training.trainer import train
+from mugrpo.pipeline import train
 
 ENV = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=16", "env.max_turns=3"]
 

@@ -11,7 +11,7 @@ from mugrpo.config import load_config
 from mugrpo.models.tiny import build_tiny_model
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.stages.data import StageData
-from mugrpo.training.trainer import train
+from mugrpo.pipeline import train
 
 pytestmark = pytest.mark.vllm
 

@@ -26,9 +26,10 @@ def _records(run_dir, kind):
 def test_a_nan_loss_skips_that_update_and_training_continues(tmp_path, tiny_model_dir):
     r = _run(tmp_path / "run", tiny_model_dir, env_extra={"MUGRPO_POISON_AT": "loss:2"})
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "update 1 skipped: non-finite loss" in r.stdout + r.stderr
+    assert "update 2 skipped: non-finite loss" in r.stdout + r.stderr  # numbered as the metrics' update
     updates = _records(tmp_path / "run", "update")
     assert [u["optim/skipped"] for u in updates] == [0.0, 1.0, 0.0, 0.0]
+    assert updates[1]["update"] == 2
     assert updates[-1]["optim/num_skipped_updates"] == 1
     assert all(u["loss/policy"] is not None for u in updates[2:])  # finite again after the skip
 

@@ -41,7 +41,7 @@ from mugrpo.rollout.envs.isolated import ProcessEnvironment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
-__all__ = ["build_env_factory", "describe_env", "resolve_tools", "task_score", "turn_budget_rows", "CheckedFactory",
+__all__ = ["build_env_factory", "start_tool_workers", "describe_env", "resolve_tools", "task_score", "turn_budget_rows", "CheckedFactory",
            "EnvSummary", "format_rows"]
 
 
@@ -84,7 +84,8 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
             return None
         runner = process_tool_runner() if getattr(env_cfg, "tool_isolation", "thread") == "process" else None
         return _checked(_isolated(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s,
-                                                    runner), env_cfg), "task.tools", _timeout(env_cfg))
+                                                    runner, error_prefix=getattr(env_cfg, "tool_error_prefix", None)),
+                                  env_cfg), "task.tools", _timeout(env_cfg))
     if tools:
         raise ConfigError("task.tools with task.env: tools make their own environment (a tool environment); "
                           "give the tools to your environment's tools() instead, or drop task.env")
@@ -95,6 +96,43 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
     if not callable(target):
         raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
     return _from_callable(target, args, env_cfg)
+
+
+class _ImportModules:
+    """A worker's warm-up call (picklable): import the tools' modules, as their first call would."""
+
+    def __init__(self, modules: tuple[str, ...]):
+        self.modules = modules
+
+    def __call__(self) -> None:
+        import importlib
+
+        for name in self.modules:
+            importlib.import_module(name)
+
+
+def start_tool_workers(task_cfg, env_cfg) -> Optional[str]:
+    """With ``task.tools`` under ``env.tool_isolation=process``: start the tool worker processes now (one
+    per environment step that may run at once, ``env.max_workers``, up to the runner's 16), each with
+    the tools' modules imported, before any step's clock starts, so no call and no step
+    (``env.step_timeout_s``) waits for a worker's start-up (with a 5 s step timeout every call
+    timed out before its tool ran). Returns the line to print, or None (nothing to start). A worker
+    that fails to start is a ConfigError naming the key."""
+    tools = resolve_tools(getattr(task_cfg, "tools", None) or [])
+    if not tools or getattr(env_cfg, "tool_isolation", "thread") != "process" or task_cfg.env is not None:
+        return None
+    runner = process_tool_runner()
+    count = min(env_cfg.max_workers, runner.max_workers)
+    modules = tuple(sorted({getattr(t, "__module__", None) for t in tools} - {None, "__main__"}))
+    try:
+        seconds = runner.prestart(count, _ImportModules(modules))
+    except Exception as exc:  # noqa: BLE001 - a worker that cannot start: the run cannot use the isolation
+        raise ConfigError(f"env.tool_isolation=process: a tool worker process did not start ({exc}); the tools "
+                          "must import in a fresh process (module-level functions), or use env.tool_isolation=thread"
+                          ) from exc
+    return (f"[mugrpo] env.tool_isolation=process: {count} tool worker processes started in {seconds:.1f} s, before "
+            "the first step: their start-up counts against no call (env.tool_timeout_s) and no step "
+            "(env.step_timeout_s)")
 
 
 def _resolve_env(spec) -> Any:
@@ -144,7 +182,8 @@ def _from_callable(make: Callable, args: dict, env_cfg) -> EnvFactory:
                         "max_turns" in args)
     if args:
         raise ConfigError(f"task.env_args={args}: a TRL environment_factory is called without arguments")
-    return _checked(_isolated(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s),
+    return _checked(_isolated(functools.partial(FactoryEnvironment, make, env_cfg.max_turns, env_cfg.tool_timeout_s,
+                                                error_prefix=getattr(env_cfg, "tool_error_prefix", None)),
                               env_cfg), "task.env", _timeout(env_cfg))
 
 

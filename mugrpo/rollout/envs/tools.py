@@ -16,7 +16,10 @@ back to the model as ``{"error": "..."}`` and are counted in :attr:`StepResult.m
 - ``tool_errors``: calls answered with an error, all causes together; broken down into
   ``tool_unknown`` (no such tool), ``tool_bad_args`` (not JSON, not an object, or arguments that do
   not bind), ``tool_exceptions`` (the tool raised, or was refused: too many hung calls) and
-  ``tool_timeouts`` (past ``timeout_s``).
+  ``tool_timeouts`` (past ``timeout_s``), and ``tool_reported_errors``: with ``error_prefix``
+  (``env.tool_error_prefix``, e.g. ``"Error:"``), a string result starting with it (the tool's own
+  error message, as TRL tools often return; the model reads it unchanged). Without it only a raise,
+  a timeout or a bad call is a failure: a returned error string counts as a success.
 
 Calls run on the one bounded, timed runner of :mod:`mugrpo.rollout.calls` (the environment steps
 run on it too): at most 16 at a time across all tool environments of the process
@@ -46,7 +49,8 @@ from mugrpo.rollout.envs.base import Environment, StepResult
 __all__ = ["ToolCall", "parse_tool_calls", "tool_schemas", "protocol_text", "ToolEnvironment",
            "FactoryEnvironment", "COUNT_KEYS"]
 
-COUNT_KEYS = ("tool_calls", "tool_errors", "tool_unknown", "tool_bad_args", "tool_exceptions", "tool_timeouts")
+COUNT_KEYS = ("tool_calls", "tool_errors", "tool_unknown", "tool_bad_args", "tool_exceptions", "tool_timeouts",
+              "tool_reported_errors")
 """The counts each tool step reports in its metadata (all present, zeros included)."""
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -154,7 +158,8 @@ class ToolEnvironment(Environment):
     stop = ("</tool_call>",)
 
     def __init__(self, tools: list[Callable], max_turns: int = 4, timeout_s: float = 10.0,
-                 runner: Optional[CallRunner] = None):
+                 runner: Optional[CallRunner] = None, error_prefix: Optional[str] = None):
+        """``error_prefix``: a string result starting with it is a failed call (``tool_reported_errors``)."""
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if timeout_s <= 0:
@@ -166,6 +171,7 @@ class ToolEnvironment(Environment):
         self._by_name = dict(zip(names, tools))
         self.max_turns, self.timeout_s = max_turns, timeout_s
         self.runner = runner or TOOL_RUNNER
+        self.error_prefix = error_prefix
 
     def tools(self) -> list[Callable]:
         return list(self._tools)
@@ -201,6 +207,9 @@ class ToolEnvironment(Environment):
         for i, outcome in zip(runnable, outcomes):
             if outcome.ok:
                 contents[i] = _result_text(outcome.value)
+                if self.error_prefix and isinstance(outcome.value, str) and outcome.value.startswith(self.error_prefix):
+                    counts["tool_reported_errors"] += 1  # the tool's own error string, opted in to as a failure
+                    failed.add(i)
                 continue
             failed.add(i)
             if outcome.timed_out:
@@ -213,7 +222,7 @@ class ToolEnvironment(Environment):
                 exc = outcome.exception
                 contents[i] = _error(f"{type(exc).__name__}: {exc}")
         counts["tool_errors"] = sum(counts[k] for k in ("tool_unknown", "tool_bad_args", "tool_exceptions",
-                                                        "tool_timeouts"))
+                                                        "tool_timeouts", "tool_reported_errors"))
         for i, call in enumerate(calls):  # per tool (a call to an unknown name counts in the totals only)
             if call.name in self._by_name:
                 counts[f"tool_calls/{call.name}"] += 1
@@ -282,14 +291,14 @@ class FactoryEnvironment(ToolEnvironment):
     trajectory stops: at the final answer, at the turn limit, or at the token budget."""
 
     def __init__(self, factory: Callable[[], Any], max_turns: int = 4, timeout_s: float = 10.0,
-                 runner: Optional[CallRunner] = None):
+                 runner: Optional[CallRunner] = None, error_prefix: Optional[str] = None):
         self.obj = factory()
         if not callable(getattr(self.obj, "reset", None)):
             raise ValueError(f"environment_factory made a {type(self.obj).__name__} without a reset(**row) method")
         methods = [getattr(self.obj, name) for name in dir(self.obj)
                    if not name.startswith("_") and name not in ("reset", "get_reward")
                    and callable(getattr(self.obj, name))]
-        super().__init__(methods, max_turns, timeout_s, runner)
+        super().__init__(methods, max_turns, timeout_s, runner, error_prefix)
         self._reward_so_far = 0.0
 
     def reset(self, item, seed: int) -> Optional[list[dict]]:
