@@ -38,7 +38,8 @@ def test_reward_rises_with_a_python_reward_and_rows(tmp_path, tiny_model_dir):
     assert {"config.yaml", "metrics.jsonl", "stages", "checkpoints", "final_model"} <= set(os.listdir(result.run_dir))
     saved = yaml.safe_load((result.run_dir / "config.yaml").read_text())
     assert saved["task"]["kind"] == "rows" and saved["task"]["name"].startswith("python:64-rows-sha256-")
-    assert saved["task"]["rewards"] == [{"fn": "python:test_api.frac_ones", "weight": 2.0},
+    # (the function's module as Python named it: test_api, or tests.test_api under pytest's importlib mode)
+    assert saved["task"]["rewards"] == [{"fn": f"python:{frac_ones.__module__}.frac_ones", "weight": 2.0},
                                         {"fn": "boxed_format", "weight": 1.0}]
     assert result.final_model == result.run_dir / "final_model"
 

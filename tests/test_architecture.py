@@ -136,3 +136,23 @@ def _package_cycles() -> list[str]:
 def test_no_module_imports_the_package_that_imports_it():
     cycles = _package_cycles()
     assert not cycles, "package import cycles:\n" + "\n".join(cycles)
+
+
+def _imported_by_tests() -> set[str]:
+    """Every ``mugrpo`` module a test file imports (``import mugrpo.x.y``, ``from mugrpo.x.y import ...``
+    or ``from mugrpo.x import y``)."""
+    seen = set()
+    for path in (PACKAGE.parent / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mugrpo"):
+                seen |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                seen |= {a.name for a in node.names}
+    return seen
+
+
+def test_every_module_has_a_test_that_imports_it():
+    modules = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts) for p in PACKAGE.rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    untested = sorted(modules - _imported_by_tests())
+    assert not untested, "modules no test imports (add tests/<package>/test_<module>.py):\n" + "\n".join(untested)

@@ -240,6 +240,9 @@ def _settings(args, cfg):
 
     from mugrpo.evaluation.evaluate import EvalSettings
 
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1 (leave it out for the "
+                          "run's rollout.max_new_tokens)")
     try:
         ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()})
     except ValueError as exc:
@@ -326,6 +329,10 @@ def format_table(results: dict[str, dict], overall: dict[str, float]) -> str:
 
 
 def _score_order(key: str):
+    """Accuracy first (greedy, avg@n, pass@k by k), then an environment's scores in ENV_SCORES's order
+    (a fixed order: they came from a set, so ties once sorted differently from one process to the next)."""
+    if key in ENV_SCORES:
+        return (3, list(ENV_SCORES).index(key))
     prefix, _, k = key.rpartition("_")
     return ({"greedy": 0, "avg_at": 1, "pass_at": 2}.get(prefix, 3), int(k) if k.isdigit() else 0)
 

@@ -77,3 +77,23 @@ def test_a_run_directory_without_config_or_final_model_says_what_to_pass(tmp_pat
     (run / "config.yaml").write_text("preset: mu-grpo\n")
     with pytest.raises(UserError, match=r"the run has no final_model/ .* pass one of its checkpoints instead"):
         resolve_model(str(run))
+
+
+@pytest.mark.unit
+def test_environment_score_columns_keep_one_order():
+    from mugrpo.evaluation.cli import ENV_SCORES, _score_order
+
+    # sorted from a set in any order, the environment's scores come out in ENV_SCORES's order, after accuracy
+    keys = ["sample_solved_frac", "greedy_reward_mean", "greedy_acc", "greedy_solved_frac", "sample_reward_mean"]
+    assert sorted(keys, key=_score_order) == ["greedy_acc", *[k for k in ENV_SCORES if k in keys]]
+
+
+def test_max_new_tokens_zero_is_refused_not_replaced():
+    import argparse
+
+    from mugrpo.config import load_config
+    from mugrpo.evaluation.cli import _settings
+
+    args = argparse.Namespace(k="1", n=None, max_new_tokens=0, temperature=None, greedy=True, batch_size=None)
+    with pytest.raises(ConfigError, match="--max-new-tokens 0: expected an integer >= 1"):
+        _settings(args, load_config())
