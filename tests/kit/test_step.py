@@ -31,7 +31,7 @@ def test_a_rank_with_nothing_to_compute_gets_a_zero_gradient():
     assert model.weight.grad.tolist() == [[0.0, 0.0]]
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)`")
 def test_a_skipped_step_is_numbered_as_its_metrics_record(capsys):
     model = _linear()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
