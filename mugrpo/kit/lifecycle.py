@@ -9,9 +9,11 @@ first piece of work to the last write.
   anything is written, naming the command that resumes it;
 - the stop handler (:mod:`mugrpo.stopping`), adopted from the CLI, which installs it before its first
   heavy import, and held until the last write; :meth:`RunLifecycle.stop_point` between phases;
-- resume (:meth:`RunLifecycle.resume`: stale temporaries removed, the newest loadable checkpoint, the
-  metrics beyond it dropped, with the evaluator's own rule for the evaluation at the resumed update),
-  checkpoints (:meth:`RunLifecycle.save`) and the final export (:meth:`RunLifecycle.export`);
+- resume (:meth:`RunLifecycle.resume_state`: stale temporaries removed, the newest loadable
+  checkpoint, the metrics beyond it dropped, with the evaluator's own rule for the evaluation at the
+  resumed update, a pending stage-end evaluation included), the checkpoint cadence and the stop after a
+  step (:meth:`RunLifecycle.after_step`), checkpoints (:meth:`RunLifecycle.save`) and the final export
+  (:meth:`RunLifecycle.export`);
 - the command a user is told to run (:func:`mugrpo.run_dir.resume_command`: right for the kind);
 - the way out: whatever it is, registered objects are closed in order and the lock released; a new
   run that failed with an error keeps nothing it wrote unless that holds work to resume (a checkpoint,
@@ -102,6 +104,14 @@ class RunLifecycle:
         """A safe point between phases: stop now if a stop was requested (every rank alike)."""
         if dist.max_over_ranks(int(self.stopper.requested)):
             raise stopping.Interrupted(self.run_dir.path if self.claimed else None, self.kind)
+
+    def after_step(self, count: int, every: int | None) -> tuple[bool, bool]:
+        """After a phase's step ``count``: (stop now: a stop was requested on any rank; a checkpoint is
+        due: every ``every`` steps, 0/None never). Ranks may see a signal a step apart: all stop after the
+        step one of them saw it in (the checkpoint is a collective; a rank saving alone would wait in it
+        until parallel.timeout_s). One rule for RL's updates and the warm start's steps."""
+        stop = dist.max_over_ranks(int(self.stopper.requested)) > 0
+        return stop, bool(every) and count % every == 0
 
     def close_at_exit(self, close: Callable[[], None]) -> None:
         """Run ``close()`` when the lifecycle ends (before the unlock)."""

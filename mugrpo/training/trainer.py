@@ -110,13 +110,13 @@ def train(cfg: Config, life: RunLifecycle, task: Task | None = None, replay: str
     life.stop_point()  # a stop that abandoned the starting evaluation: the resume runs it
     while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
         data, stage_metrics = trainer.source.stage(trainer.state, stopper)
-        reason, optimize_s = trainer.optimise_stage(data, stage_metrics, stopper)
+        reason, optimize_s = trainer.optimise_stage(data, stage_metrics)
         if reason is None:  # stopped mid-stage, checkpointed
             raise Interrupted(rd.path)
         trainer.end_stage(reason, data, stage_metrics, optimize_s)
         # (at the last stage too, when a stop abandoned its evaluation: the resume runs it, then exports)
         more = trainer.state.update < plan.total_updates or trainer.state.eval_pending
-        if dist.max_over_ranks(int(stopper.requested)) and more:
+        if more and life.after_step(trainer.state.update, None)[0]:
             raise Interrupted(rd.path)
     return trainer.finish()
 
@@ -231,7 +231,7 @@ class Trainer:
         self.logger.log({"kind": kind, "stage": s.stage, "update": s.update, "update_in_stage": update_in_stage,
                          "time_s": time.perf_counter() - self.t_start, **metrics})
 
-    def optimise_stage(self, data: StageData, stage_metrics: dict, stopper) -> tuple[str | None, float]:
+    def optimise_stage(self, data: StageData, stage_metrics: dict) -> tuple[str | None, float]:
         """The stage's updates, until it ends (returns why) or a stop is requested (returns None, after a
         checkpoint); also the optimisation seconds, checkpoints and in-loop evaluations excluded."""
         cfg, plan, state = self.cfg, self.plan, self.state
@@ -254,10 +254,7 @@ class Trainer:
             self.progress.update(bar, metrics)
             maybe_die("update")
             self.evaluator.maybe_run(state, stage_ends=reason is not None)
-            # A signal may reach the ranks an update apart: all stop after the update one of them saw it in
-            # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
-            interrupted = dist.max_over_ranks(int(stopper.requested)) > 0
-            due = cfg.checkpoint.every_updates and state.update_in_stage % cfg.checkpoint.every_updates == 0
+            interrupted, due = self.life.after_step(state.update_in_stage, cfg.checkpoint.every_updates)
             if (due or interrupted) and reason is None:  # a stage's end is checkpointed by end_stage
                 seconds = self.save()
                 self.ckpt_s += seconds

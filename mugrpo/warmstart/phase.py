@@ -180,9 +180,10 @@ class WarmStart:
         m = self.model
         self.life.save(m.policy, m.optimizer, m.scheduler, self.state, self.t_start)
 
-    def run(self, stopper) -> Path:
+    def run(self) -> Path:
         """Steps until ``total_steps`` (checkpointing every ``warmstart.checkpoint_every`` and on a stop
-        request, which then raises Interrupted), then export the final model; returns its folder."""
+        request, which then raises Interrupted: :meth:`RunLifecycle.after_step`), then export the final
+        model; returns its folder."""
         cfg, state, world = self.cfg, self.state, self.world
         self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
         self.t_start = time.perf_counter() - state.elapsed_s
@@ -190,7 +191,6 @@ class WarmStart:
             self.logger.log({"kind": "sft_data", **self.counts, "num_steps": self.total_steps})
         progress = Progress(enabled=cfg.train.progress and world.is_main)
         bar = progress.bar(self.total_steps, "warm start", unit="step", initial=state.update)
-        every = cfg.warmstart.checkpoint_every
         while state.update < self.total_steps:
             t_step = time.perf_counter()
             metrics = self.step()
@@ -206,10 +206,8 @@ class WarmStart:
             guard.check_step(state.update, self.total_steps, metrics["sft/loss"], state.num_skipped_updates,
                              len(self.model.tokenizer), cfg.warmstart.lr)
             maybe_die("sft_step")
-            # A signal may reach the ranks a step apart: all stop after the step one of them saw it in
-            # (the checkpoint is a collective; a rank saving alone would wait in it until parallel.timeout_s).
-            stop = dist.max_over_ranks(int(stopper.requested)) > 0
-            if state.update < self.total_steps and (stop or (every and state.update % every == 0)):
+            stop, due = self.life.after_step(state.update, cfg.warmstart.checkpoint_every)
+            if state.update < self.total_steps and (stop or due):
                 self.save()
                 if stop:
                     raise Interrupted(self.run_dir.path)
@@ -247,4 +245,4 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
             life.stop_point()
             life.claim()
         life.stop_point()  # a stop while the examples rendered or the model loaded
-        return phase.run(life.stopper)
+        return phase.run()
