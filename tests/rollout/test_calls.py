@@ -2,7 +2,6 @@
 pile up threads (a process-wide cap, then refusals, counted as errors), and with the process isolation a
 call that holds the GIL (a catastrophic regex) ends at its timeout, its worker killed and replaced."""
 import json
-import threading
 import time
 
 import pytest
@@ -17,35 +16,60 @@ def tool_call(name, **arguments):
     return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
 
 
-def test_hung_tool_calls_do_not_pile_up_threads(monkeypatch):
-    monkeypatch.setattr(calls, "MAX_ABANDONED", calls.abandoned_calls() + 3)
-    release = threading.Event()
+_PILE_UP = """
+import json, sys, threading, time
+from mugrpo.rollout import calls
+from mugrpo.rollout.calls import CallRunner
+from mugrpo.rollout.envs.tools import ToolEnvironment
 
-    def hang(x: int) -> int:
-        """Hang until released.
+calls.MAX_ABANDONED = 3
+release = threading.Event()
 
-        Args:
-            x: Ignored.
-        """
-        release.wait(60)
-        return x
+def hang(x: int) -> int:
+    \"\"\"Hang until released.
 
-    env = ToolEnvironment([hang], timeout_s=0.2, runner=CallRunner(4))
-    before = threading.active_count()
-    try:
-        results = [env.step(tool_call("hang", x=i)) for i in range(6)]
-        # 3 calls hang (the cap), the other 3 are refused at once, without a thread of their own
-        assert threading.active_count() - before == 3
-        counts = [r.metadata for r in results]
-        assert sum(c["tool_timeouts"] for c in counts) == 3 and sum(c["tool_exceptions"] for c in counts) == 3
-        assert "refused" in results[-1].observations[0]["content"]
-    finally:
-        release.set()
-    deadline = time.monotonic() + 10
-    while threading.active_count() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert threading.active_count() == before  # the hung threads ended: their count went back down
-    assert env.step(tool_call("hang", x=1)).metadata["tool_errors"] == 0  # calls run again
+    Args:
+        x: Ignored.
+    \"\"\"
+    release.wait(60)
+    return x
+
+def call(i):
+    return '<tool_call>' + json.dumps({"name": "hang", "arguments": {"x": i}}) + '</tool_call>'
+
+env = ToolEnvironment([hang], timeout_s=0.2, runner=CallRunner(4))
+before = threading.active_count()
+results = [env.step(call(i)) for i in range(6)]
+out = {"new_threads": threading.active_count() - before,
+       "timeouts": sum(r.metadata["tool_timeouts"] for r in results),
+       "refusals": sum(r.metadata["tool_exceptions"] for r in results),
+       "last": results[-1].observations[0]["content"]}
+release.set()
+deadline = time.monotonic() + 10
+while threading.active_count() > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+out["threads_after"] = threading.active_count() - before
+out["errors_after"] = env.step(call(1)).metadata["tool_errors"]
+print(json.dumps(out))
+"""
+
+
+def test_hung_tool_calls_do_not_pile_up_threads():
+    # In a fresh process: the cap is process-wide, so calls other tests abandoned would move it.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[2]
+    done = subprocess.run([sys.executable, "-c", _PILE_UP], capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # 3 calls hang (the cap), the other 3 are refused at once, without a thread of their own
+    assert (out["new_threads"], out["timeouts"], out["refusals"]) == (3, 3, 3)
+    assert "refused" in out["last"]
+    assert out["threads_after"] == 0  # the hung threads ended once released: their count went back down
+    assert out["errors_after"] == 0  # calls run again
 
 
 def test_a_call_holding_the_gil_ends_at_its_timeout_under_the_process_isolation():

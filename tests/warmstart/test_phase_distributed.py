@@ -112,7 +112,8 @@ def test_rank_zero_alone_writes(two_rank_sft, one_rank_sft):
     def names(folder):
         return sorted(p.name for p in folder.iterdir() if p.name != ".lock")
 
-    assert names(two_rank_sft) == names(one_rank_sft) == ["checkpoints", "config.yaml", "final_model", "metrics.jsonl"]
+    assert names(two_rank_sft) == names(one_rank_sft) == ["checkpoints", "config.yaml", "final_model", "metrics.jsonl",
+                                                                 "run.json"]
     assert len(list(two_rank_sft.rglob("metrics*.jsonl"))) == 1
     assert len(list(two_rank_sft.rglob("model.safetensors"))) == 1 + len(list((two_rank_sft / "checkpoints").iterdir()))
     assert names(two_rank_sft / "final_model") == names(one_rank_sft / "final_model")

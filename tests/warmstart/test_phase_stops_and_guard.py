@@ -62,4 +62,4 @@ def test_a_diverging_warm_start_stops_with_exit_2_and_writes_no_model(tmp_path, 
     assert "warm start stopped at step 3 of 3: 2 of its 3 steps were skipped" in r.stderr
     assert "Traceback" not in r.stderr and not (run_dir / "warmstart" / "final_model").exists()
     # the skip warnings are numbered as the metrics number the steps (1-based), beside the step lines
-    assert "update 2 skipped" in r.stdout and "warm start step 2/3: loss nan" in r.stdout
+    assert "warm-start step 2 skipped" in r.stdout and "warm start step 2/3: loss nan" in r.stdout
