@@ -55,7 +55,8 @@ def _env(threads: int) -> dict:
 def task_overrides(task: str, args) -> list[str]:
     common = [f"schedule.total_updates={args.updates}", f"schedule.prompts_per_update={args.prompts}",
               f"rollout.group_size={args.group_size}", f"eval.num_items={args.eval_items}", "eval.at_start=false",
-              "eval.every_stages=0", "eval.every_updates=0", "train.progress=false", "rollout.engine=hf",
+              "eval.every_stages=1000", "eval.every_updates=0",  # one evaluation: the last stage's
+              "train.progress=false", "rollout.engine=hf",
               "rollout.dtype=float32"]  # the service runs float32 (--dtype); the HF engine resolves to it here
     if task == "default":
         return common
