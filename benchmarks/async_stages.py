@@ -19,6 +19,7 @@ generated and scored, and the engine idles for the rest of the interval.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --seeds 1 2 3
     PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --task calculator --seeds 1
+    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --figure      # redraw the figure from the results
 
 ``--task calculator``: the two-call calculator task with the built-in tool behind a 0.5 s sleep
 (``benchmarks/async_tools.py``), from the base model (no warm
@@ -176,6 +177,33 @@ def table(runs: list[dict]) -> dict:
     return out
 
 
+def figure(result_path: Path, png: Path) -> None:
+    """Per arm: the training clock of each seed, split into the trainer's busy and idle time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.plotting import finish
+    from benchmarks.suite import read_figures
+
+    runs = read_figures(result_path)["runs"]
+    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, arm in enumerate(arms):
+        mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+        for j, r in enumerate(mine):
+            x = i + (j - (len(mine) - 1) / 2) * 0.25
+            idle = r["clock_s"] * r["trainer_idle_frac"]
+            ax.bar(x, r["clock_s"] - idle, 0.22, color="tab:blue", label="trainer busy" if i == j == 0 else None)
+            ax.bar(x, idle, 0.22, bottom=r["clock_s"] - idle, color="tab:orange",
+                   label="trainer idle" if i == j == 0 else None)
+    ax.set_xticks(range(len(arms)), arms)
+    ax.set_ylabel("training clock (s)")
+    ax.set_title("stages generated ahead, in miniature (2 cores; bars: seeds)", fontsize=9)
+    finish(fig, [ax], png)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks async_stages", description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=("default", "calculator"), default="default")
@@ -186,8 +214,12 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--eval-items", type=int, default=32)
     p.add_argument("--append", action="store_true", help="add to the runs already in --out")
+    p.add_argument("--figure", action="store_true", help="only draw --out's figure (async_stages.png beside it)")
     common_arguments(p, "async_stages", seeds=[1, 2, 3])
     args = p.parse_args(argv)
+    if args.figure:
+        figure(Path(args.out), Path(args.out).with_suffix(".png"))
+        return
     CACHE.mkdir(parents=True, exist_ok=True)
     if args.task == "calculator":
         prepare_calculator(256)
@@ -205,6 +237,7 @@ def main(argv=None) -> None:
             write_result(args.out, "async_stages", {"runs": runs, "table": table(runs)}, config, finished=False)
     write_result(args.out, "async_stages", {"runs": runs, "table": table(runs)}, config)
     print(json.dumps(table(runs), indent=1))
+    figure(Path(args.out), Path(args.out).with_suffix(".png"))
 
 
 if __name__ == "__main__":
