@@ -83,7 +83,7 @@ def run_eval(args) -> dict:
     tokenizer = load_tokenizer(source["model_path"], cfg.model.trust_remote_code)
     eval_sets = [resolve(spec, cfg.task, args.num_items) for spec in specs]
     context = model_context(source["model_path"], cfg.model.trust_remote_code)
-    new_key = "--max-new-tokens" if args.max_new_tokens else "rollout.max_new_tokens"
+    new_key = "--max-new-tokens" if args.max_new_tokens is not None else "rollout.max_new_tokens"
     for es in eval_sets:  # before the engine starts; as in training (mugrpo.models.loading.check_context)
         check_fits(source["model_path"], context, es.task_cfg.max_prompt_tokens, {new_key: settings.max_new_tokens})
     engine_kind, engine = _make_engine(args.engine or cfg.rollout.engine, source["model_path"],
@@ -240,9 +240,6 @@ def _settings(args, cfg):
 
     from mugrpo.evaluation.evaluate import EvalSettings
 
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: expected an integer >= 1 (leave it out for the "
-                          "run's rollout.max_new_tokens)")
     try:
         ks = sorted({int(k) for k in str(args.k).split(",") if k.strip()})
     except ValueError as exc:
@@ -255,7 +252,8 @@ def _settings(args, cfg):
         raise ConfigError(f"--num-items {args.num_items}: must be >= 1")
     ev = dataclasses.replace(cfg.eval, greedy=not args.no_greedy, num_samples=n, num_items=1,
                              temperature=cfg.eval.temperature if args.temperature is None else args.temperature,
-                             max_new_tokens=args.max_new_tokens or cfg.rollout.max_new_tokens)
+                             max_new_tokens=cfg.rollout.max_new_tokens if args.max_new_tokens is None
+                             else args.max_new_tokens)  # 0 is refused by the validation, not replaced
     rollout = dataclasses.replace(cfg.rollout, top_p=cfg.rollout.top_p if args.top_p is None else args.top_p)
     try:
         ev.validate()

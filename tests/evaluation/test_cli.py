@@ -94,6 +94,7 @@ def test_max_new_tokens_zero_is_refused_not_replaced():
     from mugrpo.config import load_config
     from mugrpo.evaluation.cli import _settings
 
-    args = argparse.Namespace(k="1", n=None, max_new_tokens=0, temperature=None, greedy=True, batch_size=None)
-    with pytest.raises(ConfigError, match="--max-new-tokens 0: expected an integer >= 1"):
+    args = argparse.Namespace(k="1", n=None, max_new_tokens=0, temperature=None, no_greedy=False, num_items=None,
+                              top_p=None, batch_size=None)
+    with pytest.raises(ConfigError, match="eval.max_new_tokens=0 is out of range"):
         _settings(args, load_config())
