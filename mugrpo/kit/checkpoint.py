@@ -7,7 +7,7 @@ it: :mod:`mugrpo.kit.lifecycle`)::
     .lock                          held (flock) by the process training in the directory
     metrics.jsonl                  one line per update and per stage
     stages/stage_KKK/              the stage's data: shards, completion marker, generation metrics,
-                                   readable jsonl (file names: mugrpo.stages.data.shard_path and below)
+                                   readable jsonl (file names: mugrpo.run_dir.shard_path and below)
     checkpoints/ckpt_UUUUUU/       model.safetensors (the trained parameters: all of them, or the LoRA
                                    adapters), optimizer.pt, scheduler.pt, rng_rank{R}.pt,
                                    trainer_state.json, config.yaml (the config it was trained with)

@@ -30,11 +30,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as tdist

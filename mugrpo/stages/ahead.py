@@ -48,10 +48,10 @@ import torch
 
 from mugrpo.config import ConfigError
 from mugrpo.observability.progress import Progress
-from mugrpo.run_dir import SHARDS_FILE
 from mugrpo.kit import distributed as dist
 from mugrpo.kit.checkpoint import RunState
 from mugrpo.stages.data import StageData
+from mugrpo.stages.shards import is_complete
 from mugrpo.stages.sources import build_stage_source
 
 
@@ -207,7 +207,7 @@ class AheadStages:
         s = state.stage
         wanted = [t for t in range(s, s + self.k + 1) if t not in self._requested and self._may_exist(state, t)]
         if wanted:
-            on_disk = all((self.inner.store.stage_dir(t) / SHARDS_FILE).is_file() for t in wanted)
+            on_disk = all(is_complete(self.inner.store.stage_dir(t)) for t in wanted)
             snapshot = None if on_disk else PolicySnapshot.take(self.policy, version=s)
             for t in wanted:  # in stage order: the thread generates them in that order
                 self._requested.add(t)

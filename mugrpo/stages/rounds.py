@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
 from mugrpo.algo import dynamic
 from mugrpo.stages.data import StageData, StageDataError, atomic_write_text, gather_groups
 from mugrpo.run_dir import ROUNDS_DIR

@@ -27,12 +27,17 @@ from mugrpo.run_dir import SHARDS_FILE, atomic_write_text, shard_path
 from mugrpo.stages.data import StageData, StageDataError, check_shard, gather_groups, shard_checksum
 
 
+def is_complete(stage_dir: Path) -> bool:
+    """Whether the stage's marker is written: every shard is on disk (nothing else says a stage is done)."""
+    return (Path(stage_dir) / SHARDS_FILE).is_file()
+
+
 def read_marker(stage_dir: Path) -> dict | None:
     """The stage's parsed ``shards.json``, or None when the stage is not complete (no marker yet).
     StageDataError naming the file when it exists but cannot be used."""
-    marker = Path(stage_dir) / SHARDS_FILE
-    if not marker.is_file():
+    if not is_complete(stage_dir):
         return None
+    marker = Path(stage_dir) / SHARDS_FILE
     try:
         meta = json.loads(marker.read_text())
         if int(meta["num_shards"]) < 1:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional, Protocol, Union
 
-from mugrpo.run_dir import SHARDS_FILE, RunDir
+from mugrpo.run_dir import RunDir
 from mugrpo.rollout.multiturn import LoopLimits
 from mugrpo.rollout.tasks import prompt_ids
 from mugrpo.kit import distributed as dist
@@ -29,6 +29,7 @@ from mugrpo.stages import replay as replay_mod
 from mugrpo.stages.data import StageData, write_stage_text
 from mugrpo.stages.generation import DynamicRounds, GeneratedStages, OneRound, RoundGenerator
 from mugrpo.stages.samplers import RolloutParts, TextSampler, TrajectorySampler
+from mugrpo.stages.shards import is_complete
 from mugrpo.stages.store import StageStore
 
 
@@ -66,7 +67,7 @@ class ReplayedStages:
     def _copy(self, stage: int, stage_dir: Path) -> bool:
         """Copy the stage into the run's own stage folder, unless it is there already (a resumed
         replay; returns False)."""
-        if dist.broadcast_object((stage_dir / SHARDS_FILE).is_file() if self.world.is_main else None):
+        if dist.broadcast_object(is_complete(stage_dir) if self.world.is_main else None):
             return False
         source = self.source()
         if self.world.is_main:

@@ -16,7 +16,7 @@ import torch
 
 from mugrpo.algo.advantages import zero_variance_groups
 from mugrpo.kit import distributed as dist
-from mugrpo.run_dir import SHARDS_FILE, DiskFullError, RunDir, resume_command, write_failure
+from mugrpo.run_dir import DiskFullError, RunDir, resume_command, write_failure
 from mugrpo.stages import rounds, shards, tis
 from mugrpo.stages.data import StageData
 
@@ -64,7 +64,7 @@ class StageStore:
         run = self.run_dir.path
         last = sorted(self.run_dir.checkpoints.glob("ckpt_*"))
         start = f"the last checkpoint, {last[-1].name}" if last else "the initial weights (no checkpoint yet)"
-        if (Path(stage_dir) / SHARDS_FILE).is_file():  # only the readable text (or the rounds' removal) failed
+        if shards.is_complete(stage_dir):  # only the readable text (or the rounds' removal) failed
             lost = "the stage's data is complete (its readable rollouts.jsonl may be missing) and a resume trains on it"
         else:
             lost = f"the stage is not marked complete, so a resume generates it again from {start}"

@@ -143,7 +143,7 @@ class TrainingEvaluator:
         """The evaluation's progress, and its stop check (``n`` = 0: a decode step's heartbeat)."""
         self.progress.advance(bar, n)
         maybe_die("eval")
-        if self.stopper is not None and self.stopper.requested:
+        if self.stopper is not None:
             self.stopper.check()
 
 

@@ -50,6 +50,7 @@ from typing import Iterable, Optional
 import torch
 
 from mugrpo.errors import ConfigError, UserError
+from mugrpo.run_dir import atomic_write
 from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig
 from mugrpo.rollout.service import (completions_from_json, model_fingerprint, sampling_to_json,
                                     tokenizer_fingerprint)
@@ -223,9 +224,7 @@ class RemoteEngine:
             raise ValueError("RemoteEngine.load_weights got no tensors; the services keep their old weights")
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         final = self.weights_dir / f"mugrpo-{self._token}-v{self.version:06d}.safetensors"
-        tmp = final.with_name(final.name + ".tmp")
-        save_file(state, str(tmp))
-        os.replace(tmp, final)  # a service never sees a half-written file
+        atomic_write(final, lambda tmp: save_file(state, str(tmp)))  # a service never sees a half-written file
         return str(final)
 
     def _push(self, s: _Service) -> None:
