@@ -62,7 +62,14 @@ def expected(tiny_model_dir, weights):
     """What the in-process HF engine samples (batch_size 4, n 2: chunks of 2 prompts, 3 chunks)."""
     hf = make_engine("hf", tiny_model_dir, load_tokenizer(tiny_model_dir), _rollout(["http://x"]))
     hf.load_weights(weights)
-    return hf.generate(PROMPTS, SAMPLING), hf.generate(PROMPTS, SAMPLING, max_new_tokens=LIMITS)
+    # One thread, as the services run (tests/rollout_services.py): another thread count sums floats in
+    # another order, which can flip a near-tie in sampling (this process has OMP_NUM_THREADS's count).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return hf.generate(PROMPTS, SAMPLING), hf.generate(PROMPTS, SAMPLING, max_new_tokens=LIMITS)
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.unit
