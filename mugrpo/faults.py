@@ -15,7 +15,9 @@ before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before 
 warm start and its RL),
 ``serve_generate`` (a rollout service got a generate request and has not answered it:
 :mod:`mugrpo.rollout.service`). ``MUGRPO_FREEZE_AT="point:n"`` sends SIGSTOP instead: the process
-hangs there, alive but silent (a hung service).
+hangs there, alive but silent (a hung service). ``MUGRPO_HANG_AT="point:n"`` blocks only the thread
+that passes ``point``, for good, while the process's other threads go on (a stuck engine whose server
+still answers).
 Unset in normal use; reading one environment variable is the whole cost.
 """
 
@@ -23,13 +25,25 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 _counts: dict[str, int] = {}
 
 
+def _hang() -> None:
+    threading.Event().wait()  # this thread never returns; the process's other threads go on
+
+
+_ACTIONS = (("MUGRPO_DIE_AT", lambda: os.kill(os.getpid(), signal.SIGKILL)),
+            ("MUGRPO_STOP_AT", lambda: os.kill(os.getpid(), signal.SIGTERM)),
+            ("MUGRPO_FREEZE_AT", lambda: os.kill(os.getpid(), getattr(signal, "SIGSTOP", signal.SIGTERM))),
+            ("MUGRPO_HANG_AT", _hang))
+VARIABLES = tuple(variable for variable, _ in _ACTIONS)
+"""The environment variables :func:`maybe_die` reads (a child process that must not inherit them drops these)."""
+
+
 def maybe_die(point: str) -> None:
-    for variable, sig in (("MUGRPO_DIE_AT", signal.SIGKILL), ("MUGRPO_STOP_AT", signal.SIGTERM),
-                          ("MUGRPO_FREEZE_AT", getattr(signal, "SIGSTOP", signal.SIGTERM))):
+    for variable, act in _ACTIONS:
         spec = os.environ.get(variable)
         if not spec:
             continue
@@ -39,7 +53,7 @@ def maybe_die(point: str) -> None:
         key = f"{variable}:{point}"
         _counts[key] = _counts.get(key, 0) + 1
         if _counts[key] in nths:
-            os.kill(os.getpid(), sig)
+            act()
 
 
 def should_poison(point: str) -> bool:

@@ -11,6 +11,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mugrpo import faults
+
 TESTS = Path(__file__).parent
 
 
@@ -31,7 +33,7 @@ class Service:
 def service_env(**extra) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    for key in ("MUGRPO_DIE_AT", "MUGRPO_STOP_AT", "MUGRPO_FREEZE_AT"):
+    for key in faults.VARIABLES:
         env.pop(key, None)
     env.update(extra)
     return env

@@ -21,7 +21,7 @@ def _child(env_var: str, spec: str):
     import os
 
     env = {**os.environ, env_var: spec}
-    for other in ("MUGRPO_DIE_AT", "MUGRPO_STOP_AT", "MUGRPO_FREEZE_AT"):
+    for other in faults.VARIABLES:
         if other != env_var:
             env.pop(other, None)
     return subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=60)
@@ -37,6 +37,27 @@ def test_die_at_sends_sigkill_and_an_empty_count_means_the_first():
     proc = _child("MUGRPO_DIE_AT", "update")
     assert proc.returncode == -signal.SIGKILL
     assert proc.stdout == ""
+
+
+def test_hang_at_blocks_only_the_thread_that_passes_the_point(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(faults, "_counts", {})
+    for var in faults.VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MUGRPO_HANG_AT", "update:2")
+    passes = []
+
+    def worker():
+        for i in range(1, 4):
+            faults.maybe_die("update")
+            passes.append(i)
+
+    t = threading.Thread(target=worker, daemon=True)  # left blocked for good: a daemon, so pytest exits
+    t.start()
+    t.join(timeout=1.0)
+    assert t.is_alive() and passes == [1]  # stuck in its 2nd pass; this thread goes on
+    assert faults._counts == {"MUGRPO_HANG_AT:update": 2}
 
 
 def test_a_point_not_listed_never_fires():
@@ -63,7 +84,7 @@ def test_should_poison_every_time_and_off_without_the_variable(monkeypatch):
 
 def test_maybe_die_without_its_variables_does_nothing(monkeypatch):
     monkeypatch.setattr(faults, "_counts", {})
-    for var in ("MUGRPO_DIE_AT", "MUGRPO_STOP_AT", "MUGRPO_FREEZE_AT"):
+    for var in faults.VARIABLES:
         monkeypatch.delenv(var, raising=False)
     faults.maybe_die("update")
     assert faults._counts == {}

@@ -239,6 +239,11 @@ class RemoteConfig:
     retries: int = field(default=3, metadata=SAFE)
     """How many times one part of a generate call may be moved to another service after its service
     failed; past it (or with no service left) the run stops with the --resume command."""
+    stall_timeout_s: float = field(default=600.0, metadata=SAFE)
+    """A service whose engine makes no progress (not one decode step) for this long while it holds a
+    generate request is taken as stuck, though its server still answers: its requests go to another
+    service, and it is not used again until it is idle. Raise it for a model whose prefill or single
+    decode step takes minutes."""
 
     def validate(self) -> None:
         check(isinstance(self.urls, list) and all(isinstance(u, str) and u.startswith(("http://", "https://"))
@@ -248,6 +253,8 @@ class RemoteConfig:
               self.timeout_s)
         check(isinstance(self.retries, int) and self.retries >= 0, "rollout.remote.retries", "an integer >= 0",
               self.retries)
+        check(0 < self.stall_timeout_s < math.inf, "rollout.remote.stall_timeout_s", "a finite number of seconds > 0",
+              self.stall_timeout_s)
 
 
 @dataclass

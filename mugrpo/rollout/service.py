@@ -15,7 +15,9 @@ Endpoints (docs/SERVING.md is the reference):
   loads it and the service reports that version from then on.
 
 One engine call at a time (a lock): generations and weight loads queue; ``/info`` answers while the
-engine works, which is how a client tells a busy service from a hung or dead one. Log-probs cross as
+engine works, which is how a client tells a busy service from a hung or dead one, and it says how long
+ago the engine last made progress (``since_progress_s``: seconds since its last decode step while a
+generate request is pending, else null), which is how a client tells a working engine from a stuck one. Log-probs cross as
 JSON numbers: Python writes a float's shortest round-trip repr, so they arrive bit for bit.
 
 This module knows nothing about training, rewards or the config; :mod:`mugrpo.serve` builds the
@@ -24,10 +26,12 @@ engine and starts the server.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
 import threading
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -122,10 +126,34 @@ class ServiceState:
     weights_path: Optional[str] = None
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    pending: int = 0
+    """Generate requests taken and not yet answered (waiting for the lock, or in the engine)."""
+    beat_at: float = 0.0
+    """``time.monotonic()`` of the engine's last sign of progress (a decode step), or of the first pending
+    request's arrival: ``/info``'s ``since_progress_s`` counts from it while a request is pending."""
+    _beat_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def describe(self) -> dict:
+        with self._beat_lock:
+            stalled = time.monotonic() - self.beat_at if self.pending else None
         return {**self.info, "weights_version": self.weights_version, "weights_path": self.weights_path,
-                "boot_id": self.boot_id}
+                "boot_id": self.boot_id, "pending": self.pending, "since_progress_s": stalled}
+
+    def beat(self, _done: int = 0) -> None:
+        """The engine's progress callback (after every decode step): the service is working, not stuck."""
+        self.beat_at = time.monotonic()
+
+    @contextlib.contextmanager
+    def _pending(self):
+        with self._beat_lock:
+            if not self.pending:
+                self.beat_at = time.monotonic()
+            self.pending += 1
+        try:
+            yield
+        finally:
+            with self._beat_lock:
+                self.pending -= 1
 
     def load(self, request: dict) -> dict:
         path, version = request.get("path"), request.get("version")
@@ -158,12 +186,12 @@ class ServiceState:
         extra = {}
         if self.info["engine"] == "hf":  # the HF engine's seeds follow the chunk index (engines/hf.py)
             extra["first_chunk"] = int(request.get("first_chunk", 0))
-        maybe_die("serve_generate")  # the fault tests' service death (or hang) mid-request
-        with self.lock:
+        with self._pending(), self.lock:
+            maybe_die("serve_generate")  # the fault tests' service death, freeze or stuck engine mid-request
             batch_size = request.get("batch_size")
             if type(batch_size) is int and batch_size >= 1 and hasattr(self.engine, "batch_size"):
                 self.engine.batch_size = batch_size  # the trainer's rollout.batch_size: the same chunks
-            completions = self.engine.generate(prompts, sampling, max_new_tokens=limits, **extra)
+            completions = self.engine.generate(prompts, sampling, progress=self.beat, max_new_tokens=limits, **extra)
             version = self.weights_version
         return {"completions": completions_to_json(completions), "weights_version": version, "boot_id": self.boot_id}
 

@@ -144,18 +144,27 @@ def test_weights_another_trainer_pushed_are_refused(tiny_model_dir, svc2, weight
     engine.close()
 
 
-@pytest.mark.parametrize("fault", ["MUGRPO_DIE_AT", "MUGRPO_FREEZE_AT"])
+@pytest.mark.parametrize("fault", ["MUGRPO_DIE_AT", "MUGRPO_FREEZE_AT", "MUGRPO_HANG_AT"])
 def test_a_service_that_dies_or_hangs_mid_call_loses_its_part_to_another(tiny_model_dir, svc, weights, expected,
                                                                           fault):
+    # DIE: killed; FREEZE: SIGSTOP, /info silent; HANG: the engine stuck on the request, /info still answering
+    # (caught by its since_progress_s passing stall_timeout_s).
     failing = start(tiny_model_dir, env=service_env(**{fault: "serve_generate:1"}))
     try:
-        engine = _remote(tiny_model_dir, [failing.url, svc.url], "rollout.remote.timeout_s=2")
+        engine = _remote(tiny_model_dir, [failing.url, svc.url], "rollout.remote.timeout_s=2",
+                         "rollout.remote.stall_timeout_s=3")
         engine.load_weights(weights)
-        # The failing service takes prompts 0..3 and dies (or freezes) on them; the other generates them
-        # after its own part, with the part's own seeds: the same completions as one in-process call.
+        # The failing service takes prompts 0..3 and dies (or freezes, or sticks) on them; the other
+        # generates them after its own part, with the part's own seeds: the same completions as one call.
         assert engine.generate(PROMPTS, SAMPLING) == expected[0]
         assert (failing.proc.poll() == -9) if fault == "MUGRPO_DIE_AT" else failing.proc.poll() is None
+        if fault == "MUGRPO_HANG_AT":
+            info = json.loads(urllib.request.urlopen(failing.url + "/info").read())
+            assert info["pending"] == 1 and info["since_progress_s"] > 3
+            assert [s.alive for s in engine.services] == [False, True]
+            assert "made no progress" in engine.services[0].failure
         assert engine.generate(PROMPTS, SAMPLING) == expected[0]  # the next call goes to the live one alone
+        assert not engine.services[0].alive  # a stuck service stays out (asked again before the call)
         engine.close()
     finally:
         failing.kill()

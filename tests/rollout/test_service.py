@@ -76,3 +76,30 @@ def test_a_well_formed_answer_round_trips():
     data = [[{"token_ids": [1, 2], "logprobs": [-0.5, -1.25], "finish_reason": "length"}]]
     [[c]] = completions_from_json(data, num_prompts=1, n=1)
     assert (c.token_ids, c.behavior_logprobs, c.finish_reason) == ([1, 2], [-0.5, -1.25], "length")
+
+
+def test_info_says_how_long_ago_the_engine_made_progress_while_a_request_is_pending(tiny_model_dir):
+    import time
+
+    from mugrpo.rollout.service import sampling_to_json
+    from mugrpo.rollout.engines import SamplingConfig
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    hf = make_engine("hf", tiny_model_dir, tokenizer, RolloutConfig(engine="hf", dtype="float32"))
+    seen = []
+
+    class Slow:  # the real engine behind a 0.3 s wait before its first step (a slow prefill)
+        def generate(self, prompts, sampling, progress=None, **kwargs):
+            def beat(k):
+                seen.append(state.describe())  # before this step's beat: the seconds since the last one
+                progress(k)
+            time.sleep(0.3)
+            return hf.generate(prompts, sampling, progress=beat, **kwargs)
+
+    state = ServiceState(Slow(), {"engine": "slow"}, vocab_size=len(tokenizer))
+    assert (state.describe()["pending"], state.describe()["since_progress_s"]) == (0, None)
+    state.generate({"prompts": [[5, 6, 7]], "sampling": sampling_to_json(SamplingConfig(n=2, max_new_tokens=5))})
+    assert len(seen) >= 5 and all(i["pending"] == 1 for i in seen)
+    assert seen[0]["since_progress_s"] >= 0.3  # nothing since the request came in
+    assert max(i["since_progress_s"] for i in seen[1:]) < 0.3  # each decode step beat
+    assert (state.describe()["pending"], state.describe()["since_progress_s"]) == (0, None)

@@ -18,8 +18,9 @@ both sides). Every answer is checked: its weights version must be the current on
 right; a service that answers otherwise is refused, naming its URL.
 
 Faults: a service that cannot be reached, drops a connection, stops answering ``/info`` for
-``rollout.remote.timeout_s`` while it works, or restarts (a new ``boot_id``) loses its part of the call,
-which goes to another live service (at most ``rollout.remote.retries`` moves per part). At the next call
+``rollout.remote.timeout_s`` while it works, restarts (a new ``boot_id``), or whose engine makes no
+progress for ``rollout.remote.stall_timeout_s`` (``/info``'s ``since_progress_s``: a stuck engine behind a
+server that still answers) loses its part of the call, which goes to another live service (at most ``rollout.remote.retries`` moves per part). At the next call
 every service is asked again: one that is back gets the current weights before it is used. With no
 service left, :class:`RemoteUnavailable` says which URLs failed and how to resume. The retried part
 carries its own seeds, so with HF services the stage is the same whichever service generates it.
@@ -140,7 +141,7 @@ def split_parts(num_prompts: int, per_chunk: int, num_services: int) -> list[tup
 
 class RemoteEngine:
     """A :class:`~mugrpo.rollout.engines.base.RolloutEngine` whose generation runs in ``mugrpo serve``
-    services (``rollout_cfg.remote``: urls, weights_dir, timeout_s, retries)."""
+    services (``rollout_cfg.remote``: urls, weights_dir, timeout_s, retries, stall_timeout_s)."""
 
     def __init__(self, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
         r = rollout_cfg.remote
@@ -149,6 +150,7 @@ class RemoteEngine:
         if len(set(r.urls)) != len(r.urls):
             raise ConfigError(f"rollout.remote.urls={r.urls} lists a URL twice; list each service once")
         self.timeout_s, self.retries, self.batch_size = r.timeout_s, r.retries, rollout_cfg.batch_size
+        self.stall_timeout_s = r.stall_timeout_s
         self.dtype = rollout_cfg.dtype
         self.poll_s = min(1.0, self.timeout_s / 2)
         self.rank = int(os.environ.get("RANK", "0"))
@@ -272,6 +274,10 @@ class RemoteEngine:
             except _Down as exc:
                 s.alive, s.failure = False, str(exc)
                 continue
+            stuck = self._stuck(s, info)
+            if stuck:
+                s.alive, s.failure = False, stuck
+                continue
             boot, version, path = str(info.get("boot_id")), info.get("weights_version"), info.get("weights_path")
             if boot == s.boot_id and s.alive and self.version and (version, path) != (self.version, self.weights_path):
                 raise ServiceRefused(f"the rollout service at {s.url} holds weights version {version!r} from {path}, "
@@ -337,9 +343,21 @@ class RemoteEngine:
                 raise _Down(f"{s.url} stopped answering while it worked on {path} ({exc})") from None
             if str(info.get("boot_id")) != s.boot_id:
                 raise _Down(f"{s.url} restarted while it worked on {path}")
+            stuck = self._stuck(s, info)
+            if stuck:
+                raise _Down(stuck)
         if "error" in box:
             raise box["error"]
         return box["answer"]
+
+    def _stuck(self, s: _Service, info: dict) -> str:
+        """Why ``s`` is taken as stuck ("" if it is not): its engine has held a generate request without a
+        decode step for longer than ``rollout.remote.stall_timeout_s``."""
+        since = info.get("since_progress_s")
+        if isinstance(since, (int, float)) and since > self.stall_timeout_s:
+            return (f"{s.url} answers, but its engine made no progress for {since:.0f} s on a generate request "
+                    f"(rollout.remote.stall_timeout_s={self.stall_timeout_s:g}); is it stuck? Restart it")
+        return ""
 
     def generate_part(self, s: _Service, body: dict, n: int) -> list[list[Completion]]:
         """One part on one service, its answer checked (version, restart, shape)."""
