@@ -30,6 +30,13 @@ def validate(cfg: Config) -> None:
                           "not combine: the trainer-side behaviour log-probs are recomputed with the policy that generated "
                           "the stage, which has moved on by the time a stage generated ahead is ready. Set "
                           "schedule.async_stages=0, or loss.behavior_logprobs=engine")
+    if cfg.schedule.async_stages and cfg.lora.rank and cfg.lora.dropout and cfg.rollout.engine != "remote":
+        raise ConfigError(f"schedule.async_stages={cfg.schedule.async_stages} and lora.dropout={cfg.lora.dropout} do "
+                          f"not combine with an in-process engine (rollout.engine={cfg.rollout.engine}): the trainer's "
+                          "dropout and the engine's seeded sampling would draw from torch's one global generator in "
+                          "two threads at once, so neither the stages nor the updates could be reproduced or resumed "
+                          "exactly. Set lora.dropout=0, schedule.async_stages=0, or rollout.engine=remote (the "
+                          "engine in its own process: mugrpo serve)")
     stage_shape(cfg.schedule, cfg.rollout)
     _warn_warmup(cfg.optim, cfg.schedule)
 

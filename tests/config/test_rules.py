@@ -18,6 +18,20 @@ def test_async_stages_with_trainer_logprobs_is_refused_naming_both_keys():
         validate(cfg)
 
 
+def test_async_stages_with_lora_dropout_is_refused_unless_the_engine_is_remote():
+    cfg = Config()
+    cfg.schedule.async_stages, cfg.lora.rank, cfg.lora.dropout = 1, 8, 0.1
+    for engine in ("auto", "hf", "vllm"):
+        cfg.rollout.engine = engine
+        with pytest.raises(ConfigError, match=rf"schedule.async_stages=1 and lora.dropout=0.1 do not combine.*"
+                                              rf"rollout.engine={engine}.*Set lora.dropout=0"):
+            validate(cfg)
+    cfg.rollout.engine, cfg.rollout.remote.urls = "remote", ["http://127.0.0.1:8100"]
+    validate(cfg)  # the engine samples in another process
+    cfg.rollout.engine, cfg.lora.dropout = "hf", 0.0
+    validate(cfg)
+
+
 def test_two_ways_of_checkpointing_activations_are_refused():
     cfg = Config()
     cfg.parallel.activation_checkpointing, cfg.model.gradient_checkpointing = True, True
