@@ -17,13 +17,18 @@ the policy lag. With ``async_stages`` >= 1 the idle fractions are the run's own 
 synchronous run they follow from its stage records: the trainer idles while the stage is synced,
 generated and scored, and the engine idles for the rest of the interval.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --seeds 1 2 3
-    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --task calculator --seeds 1
-    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --figure      # redraw the figure from the results
+    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --updates 8 --stages 4 --prompts 4 --group-size 8 \
+        --eval-items 32 --seeds 1 2 3                     # results/async_stages.json
+    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --task calculator --updates 8 --stages 4 --prompts 2 \
+        --group-size 4 --eval-items 16 --seeds 1 2 3       # results/async_stages_calculator.json
+    PYTHONPATH=. .venv/bin/python -m benchmarks async_stages --figure [--out FILE]  # redraw a figure from its results
 
-``--task calculator``: the two-call calculator task with the built-in tool behind a 0.5 s sleep
-(``benchmarks/async_tools.py``), from the base model (no warm
-start: the tool protocol is in the instruction). Run directories go under ``benchmarks/cache/async_stages/``.
+``--task calculator``: docs/BENCHMARKS.md section 10's agent task: "What is a * b + c * d?" solved by two calls
+of the built-in calculator, the tool behind a 0.5 s sleep (``benchmarks/async_tools.py``), graded by an
+integer literal in the last ``\\boxed{}``. The base model never calls a tool (section 9), so every arm
+starts from the same short warm start (``mugrpo sft``, 3 steps of 8 of 48 traces, lr 1e-4: section 10's),
+made once and kept in the cache; RL at lr 1e-5 as section 10. Held-out: 32 items of their own (seed 1).
+Run directories go under ``benchmarks/cache/async_stages/``.
 """
 
 from __future__ import annotations
@@ -39,16 +44,18 @@ import time
 from pathlib import Path
 
 from benchmarks.suite import common_arguments, write_result
+from mugrpo import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / "cache" / "async_stages"
 ARMS = ("sync", "async", "sync_split", "grpo")
+CALC_MODEL = CACHE / "calc_sft" / "final_model"
 
 
 def _env(threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}{os.pathsep}{ROOT / 'benchmarks'}",
            "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("MUGRPO_DIE_AT", "MUGRPO_STOP_AT", "MUGRPO_FREEZE_AT"):
+    for key in faults.VARIABLES:
         env.pop(key, None)
     return env
 
@@ -63,17 +70,31 @@ def task_overrides(task: str, args) -> list[str]:
         return common
     from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
 
-    return [*common, "task.kind=math", f"task.name={CACHE / 'calc_train.jsonl'}", "task.few_shot=[]",
+    return [*common, f"model.name={CALC_MODEL}", "task.kind=math", f"task.name={CACHE / 'calc_train.jsonl'}",
+            f"task.eval_path={CACHE / 'calc_heldout.jsonl'}", "task.few_shot=[]",
             f"task.instruction={CALCULATOR_INSTRUCTION}", "task.max_prompt_tokens=1024",
+            "task.reward_fn=benchmarks.smollm.tool_rl:integer_answer", "optim.lr=1e-5",
             "task.tools=[async_tools:slow_calculate]", "env.max_turns=4", "env.max_tokens_per_turn=64",
             "env.max_workers=64", "rollout.max_new_tokens=200", "eval.max_new_tokens=200"]
 
 
-def prepare_calculator(n: int) -> None:
+def prepare_calculator(rows: int = 256, heldout: int = 32, traces: int = 48, steps: int = 3) -> None:
+    """The questions (training seed 2, held-out seed 1, demonstrations seed 0: disjoint, as section 10),
+    and the warm-started model every arm starts from, made once (``mugrpo sft``, section 10's settings)."""
     from mugrpo.warmstart.demos import calculator_rows, write_jsonl
 
-    write_jsonl([{"question": r["question"], "answer": r["answer"]} for r in calculator_rows(n, seed=2, num_calls=2)],
-                CACHE / "calc_train.jsonl")
+    for name, seed, n in (("calc_train", 2, rows), ("calc_heldout", 1, heldout)):
+        write_jsonl([{"question": r["question"], "answer": r["answer"]}
+                     for r in calculator_rows(n, seed=seed, num_calls=2)], CACHE / f"{name}.jsonl")
+    if (CALC_MODEL / "config.json").is_file():
+        return
+    write_jsonl(calculator_rows(traces, seed=0, num_calls=2), CACHE / "calc_demos.jsonl")
+    shutil.rmtree(CALC_MODEL.parent, ignore_errors=True)
+    cmd = [sys.executable, "-m", "mugrpo", "sft", "--run-dir", str(CALC_MODEL.parent),
+           f"warmstart.data={CACHE / 'calc_demos.jsonl'}", f"warmstart.steps={steps}", "warmstart.lr=1e-4",
+           "warmstart.batch_size=8", "train.progress=false", "warmstart.checkpoint_every=0"]
+    print(f"[async_stages] warm start for the calculator task: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(cmd, env=_env(2), check=True)
 
 
 def arm_overrides(arm: str, seed: int, args) -> list[str]:
@@ -89,9 +110,9 @@ def arm_overrides(arm: str, seed: int, args) -> list[str]:
 class Service:
     """``mugrpo serve --engine hf`` on one core; its URL once it listens."""
 
-    def __init__(self, core: int):
+    def __init__(self, core: int, model: str):
         self.proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-m", "mugrpo", "serve", "--engine",
-                                      "hf", "--model", "smollm2-135m-instruct", "--port", "0"],
+                                      "hf", "--model", model, "--port", "0"],
                                      env=_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.url = None
         for line in self.proc.stderr:
@@ -117,7 +138,7 @@ def run_arm(arm: str, seed: int, task: str, args) -> dict:
            *task_overrides(task, args)]
     service = None
     if arm in ("async", "sync_split"):
-        service = Service(core=1)
+        service = Service(core=1, model=str(CALC_MODEL) if task == "calculator" else "smollm2-135m-instruct")
         cmd = ["taskset", "-c", "0", *cmd, "rollout.engine=remote", f"rollout.remote.urls=[{service.url}]"]
     t0 = time.perf_counter()
     try:
@@ -153,7 +174,9 @@ def summarize(run_dir: Path) -> dict:
             "generate_s": sum(r.get("perf/generate_s", 0.0) for r in stages),
             "optimize_s": sum(r.get("perf/optimize_s", 0.0) for r in stages),
             "eval_greedy_acc": last.get("eval/greedy_acc"), "eval_avg_at_n": avg,
-            "reward_mean_last_stage": stages[-1].get("reward/mean") if stages else None}
+            "reward_mean_last_stage": stages[-1].get("reward/mean") if stages else None,
+            "tool_calls": sum(r.get("env/tool_calls", 0) for r in stages),  # 0 without an environment
+            "tool_call_frac": (sum(r.get("env/tool_call_frac") or 0.0 for r in stages) / len(stages)) if stages else 0}
 
 
 def table(runs: list[dict]) -> dict:
@@ -165,10 +188,10 @@ def table(runs: list[dict]) -> dict:
             mine = [r for r in runs if r["task"] == task and r["arm"] == arm]
             if not mine:
                 continue
-            mean = lambda k: sum(r[k] for r in mine if r[k] is not None) / max(1, sum(r[k] is not None for r in mine))  # noqa: E731
+            mean = lambda k: sum(r[k] for r in mine if r.get(k) is not None) / max(1, sum(r.get(k) is not None for r in mine))  # noqa: E731
             arms[arm] = {k: mean(k) for k in ("clock_s", "trainer_idle_frac", "engine_idle_frac", "policy_lag_max",
                                                "policy_lag_mean", "eval_greedy_acc", "eval_avg_at_n", "generate_s",
-                                               "optimize_s")}
+                                               "optimize_s", "tool_calls", "tool_call_frac")}
             arms[arm]["num_seeds"] = len(mine)
         sync = arms.get("sync", {}).get("clock_s")
         for values in arms.values():
@@ -188,20 +211,23 @@ def figure(result_path: Path, png: Path) -> None:
     from benchmarks.suite import read_figures
 
     runs = read_figures(result_path)["runs"]
-    arms = [a for a in ARMS if any(r["arm"] == a for r in runs)]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for i, arm in enumerate(arms):
-        mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
-        for j, r in enumerate(mine):
-            x = i + (j - (len(mine) - 1) / 2) * 0.25
-            idle = r["clock_s"] * r["trainer_idle_frac"]
-            ax.bar(x, r["clock_s"] - idle, 0.22, color="tab:blue", label="trainer busy" if i == j == 0 else None)
-            ax.bar(x, idle, 0.22, bottom=r["clock_s"] - idle, color="tab:orange",
-                   label="trainer idle" if i == j == 0 else None)
-    ax.set_xticks(range(len(arms)), arms)
-    ax.set_ylabel("training clock (s)")
-    ax.set_title("stages generated ahead, in miniature (2 cores; bars: seeds)", fontsize=9)
-    finish(fig, [ax], png)
+    tasks = sorted({r.get("task", "default") for r in runs})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        mine_task = [r for r in runs if r.get("task", "default") == task]
+        arms = [a for a in ARMS if any(r["arm"] == a for r in mine_task)]
+        for i, arm in enumerate(arms):
+            mine = sorted((r for r in mine_task if r["arm"] == arm), key=lambda r: r["seed"])
+            for j, r in enumerate(mine):
+                x = i + (j - (len(mine) - 1) / 2) * 0.25
+                idle = r["clock_s"] * r["trainer_idle_frac"]
+                ax.bar(x, r["clock_s"] - idle, 0.22, color="tab:blue", label="trainer busy" if i == j == 0 else None)
+                ax.bar(x, idle, 0.22, bottom=r["clock_s"] - idle, color="tab:orange",
+                       label="trainer idle" if i == j == 0 else None)
+        ax.set_xticks(range(len(arms)), arms)
+        ax.set_ylabel("training clock (s)")
+        ax.set_title(f"{task} task: stages generated ahead, in miniature (2 cores; bars: seeds)", fontsize=9)
+    finish(fig, list(axes[0]), png)
 
 
 def main(argv=None) -> None:
@@ -217,12 +243,14 @@ def main(argv=None) -> None:
     p.add_argument("--figure", action="store_true", help="only draw --out's figure (async_stages.png beside it)")
     common_arguments(p, "async_stages", seeds=[1, 2, 3])
     args = p.parse_args(argv)
+    if args.task != "default" and args.out == p.get_default("out"):  # each task its own result file and figure
+        args.out = str(Path(args.out).with_name(f"async_stages_{args.task}.json"))
     if args.figure:
         figure(Path(args.out), Path(args.out).with_suffix(".png"))
         return
     CACHE.mkdir(parents=True, exist_ok=True)
     if args.task == "calculator":
-        prepare_calculator(256)
+        prepare_calculator()
     runs = []
     if args.append and Path(args.out).is_file():
         from benchmarks.suite import read_figures

@@ -150,10 +150,32 @@ def test_tool_warmstart_table():
                [[100 * plain["base"]["greedy_acc"], 100 * plain["sft"]["greedy_acc"], n, 256]])
 
 
+@pytest.mark.parametrize("result, header", [
+    ("async_stages.json", "| arm | cores | training clock (s), mean ± sd (seeds) | vs sync | trainer idle |"),
+    ("async_stages_calculator.json", "| arm | cores | training clock (s), mean ± sd (seeds) | vs sync | vs sync_split |"),
+])
+def test_async_stages_tables(result, header):
+    runs = read_figures(RESULTS / result)["runs"]
+    cols = doc_table(header[:-1])
+    by_arm = {a: sorted((r for r in runs if r["arm"] == a), key=lambda r: r["seed"]) for a in ("sync", "async",
+                                                                                                "sync_split", "grpo")}
+    mean = lambda arm, k: statistics.mean(r[k] for r in by_arm[arm])  # noqa: E731
+    assert [row[0].split()[0] for row in cols] == list(by_arm)
+    for row in cols:
+        arm = row[0].split()[0]
+        clocks = [r["clock_s"] for r in by_arm[arm]]
+        check_rows([["", row[2]]], [[statistics.mean(clocks), statistics.stdev(clocks), *clocks]])
+        check_rows([["", row[3]]], [[mean(arm, "clock_s") / mean("sync", "clock_s")]])
+        idle = 5 if "vs sync_split" in header else 4  # the column of "trainer idle"
+        check_rows([["", row[idle], row[idle + 1]]], [[100 * mean(arm, "trainer_idle_frac"),
+                                                        100 * mean(arm, "engine_idle_frac")]])
+        check_rows([["", row[idle + 2]]], [[max(r["policy_lag_max"] for r in by_arm[arm]), mean(arm, "policy_lag_mean")]])
+
+
 @pytest.mark.unit
 def test_every_result_a_table_cites_is_in_the_schema():
     for path in ("toy_lab.json", "toy_lab_long.json", "toy_lab_corrections.json", "smollm_corrections.json",
                  "toy_lab_long_triggers.json", "toy_lab_long_rollout.json", "lora.json",
-                 "smollm_tool_warmstart/result.json"):
+                 "smollm_tool_warmstart/result.json", "async_stages.json", "async_stages_calculator.json"):
         assert json.loads((RESULTS / path).read_text())["schema"] == 1, path
         assert path.split("/")[0] in DOC.read_text(), f"{DOC.name} does not name {path}, the results of one of its tables"
