@@ -30,11 +30,12 @@ def _run(run_dir, model_dir, *extra):
     return run_dir
 
 
-def _assert_same_run(ref, got):
+def _assert_same_run(ref, got, ranks=1):
     for stage in (0, 1):
-        name = f"stages/stage_{stage:03d}/rollouts_rank0.safetensors"
-        a, b = load_file(str(ref / name)), load_file(str(got / name))
-        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name  # token ids, behaviour log-probs
+        for rank in range(ranks):
+            name = f"stages/stage_{stage:03d}/rollouts_rank{rank}.safetensors"
+            a, b = load_file(str(ref / name)), load_file(str(got / name))
+            assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), name  # token ids, behaviour log-probs
     rewards = [[r.get("reward/mean") for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "stage"]
                for d in (ref, got)]
     assert rewards[0] == rewards[1] and len(rewards[0]) == 2
@@ -85,3 +86,15 @@ def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(t
     # Stage 0 was trained and checkpointed; the resume (with another service) regenerates stage 1.
     assert main(["train", "--resume", str(run_dir), f"rollout.remote.urls=[{svc.url}]"]) == 0
     _assert_same_run(reference, run_dir)
+
+
+@pytest.mark.distributed
+def test_two_ranks_against_one_service_train_as_two_ranks_in_process(tmp_path, tiny_model_dir, svc):
+    # Rank 0 writes and pushes each version; rank 1 waits until the service reports it, then both send
+    # their halves of the stage. The run equals two ranks with in-process HF engines, shard for shard.
+    from kit.test_distributed import _mugrpo
+
+    ref, got = tmp_path / "hf", tmp_path / "remote"
+    _mugrpo(2, ["--run-dir", str(ref), *_overrides(tiny_model_dir, "rollout.engine=hf")])
+    _mugrpo(2, ["--run-dir", str(got), *_overrides(tiny_model_dir, *_remote(svc.url))])
+    _assert_same_run(ref, got, ranks=2)
