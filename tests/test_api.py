@@ -53,6 +53,7 @@ def _script(run_dir, model_dir, *extra, die_at=None):
                           capture_output=True, text=True)
 
 
+@pytest.mark.slow  # ~20 s; the CLI's kills are kept
 def test_python_run_killed_and_resumed_from_python_is_bitwise_identical(tmp_path, tiny_model_dir):
     ref = _script(tmp_path / "ref", tiny_model_dir)
     assert ref.returncode == 0, ref.stderr[-3000:]

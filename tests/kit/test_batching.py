@@ -158,6 +158,7 @@ def test_shared_prefix_matches_plain_on_tiny_model(tiny_model_dir, exact_rmsnorm
     assert (len(batches) == 1) if budget == 4096 else (len(batches) > 1)  # 40 tokens: split rows, several batches
 
 
+@pytest.mark.slow  # ~30 s; the tiny-model cases above check the same exactness
 def test_shared_prefix_matches_plain_on_smollm2(exact_rmsnorm):
     from mugrpo.models.loading import resolve_model_path
 

@@ -246,6 +246,7 @@ def test_a_stop_one_rank_receives_stops_every_rank_after_the_same_update(two_ran
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~10 s; the dynamic-sampling agreement is kept
 def test_two_ranks_take_the_same_adaptive_stage_decisions(tiny_model, tmp_path):
     # The guard reads the update's metrics after their all-reduce, so both ranks end each stage at the
     # same update (a rank that went on alone would block in the next collective until the timeout).
@@ -262,6 +263,7 @@ def test_two_ranks_take_the_same_adaptive_stage_decisions(tiny_model, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~20 s; the full-model two-rank run is kept
 def test_two_process_lora_run_matches_one_process_and_exports_merged_weights(tiny_model, tmp_path):
     # FSDP2 shards each decoder layer with its frozen base weights and trainable adapters in one unit.
     # One process resumes the 2-rank run from its start on the same stage data: same updates.

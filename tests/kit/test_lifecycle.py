@@ -96,6 +96,7 @@ def test_a_stop_while_a_new_run_loads_writes_nothing_and_the_same_command_trains
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.slow  # ~20 s; the new-run case is kept
 def test_a_stop_while_a_resumed_run_loads_names_its_resume_command(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     r = _mugrpo("train", "--run-dir", run, f"model.name={tiny_model_dir}", *RL_KEYS, stop_at="update:1")

@@ -42,9 +42,9 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.parametrize("die_at", [
     "generate:6",          # stage 1 generation, 2nd of its 4 batches (stage 0 finished and checkpointed)
-    "generate:2",          # stage 0 generation: no checkpoint exists yet
+    pytest.param("generate:2", marks=pytest.mark.slow),  # stage 0 generation: no checkpoint exists yet
     "update:3",            # mid-stage 0, after update 3 (last checkpoint at update 2)
-    "update:6",            # mid-stage 1
+    pytest.param("update:6", marks=pytest.mark.slow),  # mid-stage 1
     "checkpoint_write:2",  # inside the second checkpoint write, before its rename
 ])
 def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tiny_model_dir, reference, die_at):
@@ -241,6 +241,7 @@ GENERATION_KEYS = ("reward/num_errors", "reward/num_invalid", "reward/num_timeou
                    "stage/num_groups_trained", "stage/num_prompts_skipped")
 
 
+@pytest.mark.slow  # ~30 s; a kept kill-resume test checks the stage line's other metrics
 def test_stage_line_after_a_mid_stage_resume_keeps_the_generation_metrics(tmp_path, tiny_model_dir):
     # A reward that fails on some responses, so the counts are not all 0 (else the comparison could not fail).
     flaky = ["task.reward_fn=toy_rewards:flaky", "loss.drop_zero_var_groups=true"]

@@ -20,7 +20,8 @@ def env_reference(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.parametrize("die_at, stage_0_done", [
-    ("turn:2", False),       # stage 0, after its second policy turn, before its env steps (no checkpoint yet)
+    # stage 0, after its second policy turn, before its env steps (no checkpoint yet)
+    pytest.param("turn:2", False, marks=pytest.mark.slow),
     ("turn:4", True),        # stage 1, mid-trajectories (stage 0 took 3 turns)
     ("env_step:40", False),  # inside an environment step (a tool call) of stage 0
 ])

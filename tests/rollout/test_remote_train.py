@@ -89,6 +89,7 @@ def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(t
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~30 s
 def test_two_ranks_against_one_service_train_as_two_ranks_in_process(tmp_path, tiny_model_dir, svc):
     # Rank 0 writes and pushes each version; rank 1 waits until the service reports it, then both send
     # their halves of the stage. The run equals two ranks with in-process HF engines, shard for shard.

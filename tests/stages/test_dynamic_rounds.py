@@ -129,11 +129,12 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.parametrize("die_at", [
-    "round:1",      # stage 0, after its first round is persisted
+    pytest.param("round:1", marks=pytest.mark.slow),  # stage 0, after its first round is persisted
     "round:2",      # stage 0, between its second and third round
     "update:3",     # mid-stage 0 (checkpoint at update 2): the stage line's dynamic metrics are read back
-    "generate:5",   # round 1's first batch (round 0: 64 prompts x 4 = 4 batches of 64): round 1 is
-                    # generated again, round 0 read back
+    # round 1's first batch (round 0: 64 prompts x 4 = 4 batches of 64): round 1 is generated again, round 0
+    # read back
+    pytest.param("generate:5", marks=pytest.mark.slow),
 ])
 def test_killed_between_rounds_resumes_bitwise(tmp_path, tiny_model_dir, reference, die_at):
     run_dir = tmp_path / "run"
@@ -188,6 +189,7 @@ def test_dynamic_sampling_with_an_environment_keeps_informative_trajectory_group
         assert generated == record["stage/num_sequences"] + record["stage/num_extra_sequences"] > 32 * 4
     assert sum(r["stage/num_rounds"] for r in _stages(run)) > 2  # the premise: more than one round was needed
 
+@pytest.mark.slow  # ~35 s; the single-turn kills between rounds are kept
 def test_an_environment_stage_killed_between_rounds_resumes_bitwise(tmp_path, tiny_model_dir):
     env_on = ["rollout.dynamic_oversample=1", "task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12",
               "task.reward_fn=sparse_rewards:never"]

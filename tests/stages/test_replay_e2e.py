@@ -68,6 +68,7 @@ def test_a_replayed_stage_gives_bitwise_the_same_updates(tmp_path, tiny_model_di
     assert stage["stage/replayed"] == 1.0 and "perf/generate_s" not in stage  # nothing was generated
 
 
+@pytest.mark.slow  # ~15 s
 def test_a_killed_replay_resumes_to_the_same_result(tmp_path, tiny_model_dir, original):
     run_dir = tmp_path / "replayed"
     killed = _run(_cmd(run_dir, tiny_model_dir, "--replay", str(original)), die_at="update:2")

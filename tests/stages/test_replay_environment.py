@@ -16,6 +16,7 @@ def tool_source(tmp_path_factory, tiny_model_dir):
     return run_dir
 
 
+@pytest.mark.slow  # ~30 s; tests/stages/test_replay_e2e.py keeps a multi-turn replay
 def test_a_tool_environment_run_replays_with_an_identical_config(tmp_path, tiny_model_dir, tool_source):
     run_dir = tmp_path / "replay"
     r = _run(_cmd(run_dir, tiny_model_dir, *TOOL_ENV, "--replay", str(tool_source)))

@@ -94,6 +94,7 @@ def env_reference(tmp_path_factory, tiny_model_dir):
     return run_dir, plain_cmd
 
 
+@pytest.mark.slow  # ~30 s; the single-turn case is kept
 def test_sigterm_inside_a_multi_turn_policy_turn_stops_there_and_the_resume_is_bitwise(tmp_path, tiny_model_dir,
                                                                                        env_reference):
     # Stage 0, inside the first policy turn's engine call (decode step 3): the trajectories so far

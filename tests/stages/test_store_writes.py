@@ -59,6 +59,7 @@ def test_a_full_disk_while_writing_a_stage_says_so_and_the_run_resumes(tmp_path,
     assert [r["update"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "update"] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow  # ~25 s; one metric after a mid-stage resume
 def test_a_mid_stage_resume_still_logs_the_stage_engine_logprob_mismatch(tmp_path, tiny_model_dir):
     # Killed after update 3 of stage 0 (checkpoint at update 2): the resumed stage starts at its third update.
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"

@@ -160,6 +160,7 @@ def test_tiny_run_with_trainer_logprobs_learns_and_matches_an_fp32_engine(tmp_pa
     torch.testing.assert_close(shard["trainer_logprobs"], shard["behavior_logprobs"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # ~20 s; resume is kept in tests/kit/test_resume.py
 def test_killed_and_resumed_tis_run_is_bitwise_identical(tmp_path, tiny_model_dir):
     # Mid-stage 1 kill (stage 1's data, trainer log-probs included, already on disk): the resumed run
     # reads them back and ends with the uninterrupted run's parameters, bit for bit.

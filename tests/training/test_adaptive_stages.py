@@ -172,7 +172,7 @@ def reference(tmp_path_factory, tiny_model_dir):
 @pytest.mark.parametrize("die_at", [
     # Killed after the update whose guard ends the stage, before that stage-end checkpoint: the resume
     # loads the mid-stage checkpoint (every_updates=2) and must replay the update and decide the same.
-    "update:6",   # stage 1 (last checkpoint: update 5, in-stage 2)
+    pytest.param("update:6", marks=pytest.mark.slow),  # stage 1 (last checkpoint: update 5, in-stage 2)
     "update:3",   # stage 0 (last checkpoint: update 2, in-stage 2)
 ])
 def test_killed_mid_adaptive_stage_resumes_bitwise(tmp_path, tiny_model_dir, reference, die_at):

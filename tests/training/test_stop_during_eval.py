@@ -67,6 +67,7 @@ def _stop_then_resume(tmp_path, model_dir, stop_at, stages=2):
     return run_dir, before
 
 
+@pytest.mark.slow  # ~20 s; the in-loop and last evaluations are kept
 def test_a_stop_inside_the_starting_evaluation_ends_it_there(tmp_path, tiny_model_dir, reference):
     run_dir, before = _stop_then_resume(tmp_path, tiny_model_dir, "eval:3")
     # Stopped inside the evaluation of update 0: nothing logged, nothing generated.
@@ -74,6 +75,7 @@ def test_a_stop_inside_the_starting_evaluation_ends_it_there(tmp_path, tiny_mode
     _assert_same_run(reference, run_dir)
 
 
+@pytest.mark.slow  # ~20 s; the in-loop case is kept
 def test_a_stop_inside_a_stage_end_evaluation_abandons_it_and_the_resume_evaluates_first(tmp_path, tiny_model_dir,
                                                                                           reference):
     run_dir, before = _stop_then_resume(tmp_path, tiny_model_dir, "eval:12")

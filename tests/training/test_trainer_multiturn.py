@@ -35,7 +35,8 @@ def _check_multi_turn_stage(run_dir, stage):
     assert any(max(t) >= 1 for t in data.turns)  # and trajectories of more than one policy turn
 
 
-@pytest.mark.parametrize("preset", ["grpo", "grpo-stale", "grpo-stale-relaxed", "m2po", "mu-grpo"])
+@pytest.mark.parametrize("preset", ["grpo", "grpo-stale", pytest.param("grpo-stale-relaxed", marks=pytest.mark.slow),
+                                    pytest.param("m2po", marks=pytest.mark.slow), "mu-grpo"])
 def test_every_preset_trains_on_multi_turn_trajectories(tmp_path, tiny_model_dir, preset):
     run_dir, updates, stages = _train(tmp_path, tiny_model_dir, preset)
     assert len(updates) == 4 and stages

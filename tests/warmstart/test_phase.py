@@ -188,7 +188,8 @@ def _same_weights(a, b):
     return all(ref[k].equal(got[k]) for k in ref)
 
 
-@pytest.mark.parametrize("die_at", ["sft_step:5", "sft_step:2"])  # after a checkpoint (step 3); before any
+# after a checkpoint (step 3); before any
+@pytest.mark.parametrize("die_at", [pytest.param("sft_step:5", marks=pytest.mark.slow), "sft_step:2"])
 def test_killed_warm_start_resumes_bitwise(tmp_path, tiny_model_dir, demos, sft_reference, die_at):
     run_dir = tmp_path / "run"
     killed = _mugrpo(*_sft_cmd(run_dir, tiny_model_dir, demos), die_at=die_at)
@@ -251,6 +252,7 @@ def test_rl_run_starts_from_the_warm_started_model(train_reference, sft_referenc
     assert len(steps) == 12 and not any(r["kind"] == "sft" for r in read_metrics(train_reference / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # ~12 s; the sft run's kill is kept
 def test_rl_run_killed_in_its_warm_start_resumes_bitwise(tmp_path, tiny_model_dir, demos, train_reference):
     run_dir = tmp_path / "run"
     killed = _mugrpo(*_train_cmd(run_dir, tiny_model_dir, demos), die_at="sft_step:4")

@@ -124,6 +124,7 @@ def test_rank_zero_alone_writes(two_rank_sft, one_rank_sft):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~18 s
 def test_killed_two_process_warm_start_resumes_to_the_uninterrupted_weights(two_rank_sft, tiny_model_dir, demos,
                                                                             tmp_path):
     # Killed after step 3, i.e. after the checkpoint of step 2: the resume scatters the full weights
@@ -166,6 +167,7 @@ def test_every_rank_writes_into_rank_zeros_run_directory(tiny_model_dir, demos, 
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~20 s; tests/kit/test_distributed.py keeps RL's case
 def test_a_stop_one_rank_receives_stops_every_rank_at_the_same_step(two_rank_sft, tiny_model_dir, demos, tmp_path):
     # SIGTERM reaches rank 1 alone, after step 1: the ranks agree (a max over ranks) to checkpoint
     # and stop after that step. A rank checkpointing alone would wait in the checkpoint's gathers
