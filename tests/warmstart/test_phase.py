@@ -4,7 +4,6 @@ RL run (its stage 0 sampled by the warm-started model), and bad input exiting 2.
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 
