@@ -1,3 +1,4 @@
+from mugrpo.rollout.envs.tools import ToolCall, ToolEnvironment
 from mugrpo.rollout.envs.base import Environment, StepResult
 class TryAgain(Environment):
     """Asks for more until the turn has two '1's (reward 0.1 per '1') or three turns were taken."""
@@ -10,3 +11,30 @@ class TryAgain(Environment):
         if ones >= 2 or self.n >= 3:
             return StepResult([], reward=0.1 * ones, done=True)
         return StepResult([{"role": "user", "content": "more"}], reward=0.0)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+class CallsAdd(ToolEnvironment):
+    """A tool environment for a tiny random model, which writes no ``<tool_call>``: its first policy turn
+    is taken as one call of ``add(a=1, b=2)``, run by the tool runner, whose answer goes back as a
+    ``role: tool`` message; the second turn ends the trajectory (reward 0.1 per '1' in it)."""
+
+    def __init__(self, **kw):
+        super().__init__([add], max_turns=2)
+        self.n = 0
+
+    def step(self, action):
+        self.n += 1
+        if self.n > 1:
+            return StepResult([], 0.1 * action.count("1"), True, self._zero_counts())
+        contents, counts = self.call_tools([ToolCall("add", {"a": 1, "b": 2})])
+        return StepResult([{"role": "tool", "name": "add", "content": contents[0]}], 0.0, False, counts)
