@@ -60,8 +60,17 @@ def _env(threads: int) -> dict:
     return env
 
 
+def task_model(task: str) -> str:
+    """The model the trainer starts from and a service first serves: the calculator's warm start, else the
+    config's default."""
+    from mugrpo.config.rollout_sections import ModelConfig
+
+    return str(CALC_MODEL) if task == "calculator" else ModelConfig.name
+
+
 def task_overrides(task: str, args) -> list[str]:
-    common = [f"schedule.total_updates={args.updates}", f"schedule.prompts_per_update={args.prompts}",
+    common = [f"model.name={task_model(task)}", f"schedule.total_updates={args.updates}",
+              f"schedule.prompts_per_update={args.prompts}",
               f"rollout.group_size={args.group_size}", f"eval.num_items={args.eval_items}", "eval.at_start=false",
               "eval.every_stages=1000", "eval.every_updates=0",  # one evaluation: the last stage's
               "train.progress=false", "rollout.engine=hf",
@@ -70,7 +79,7 @@ def task_overrides(task: str, args) -> list[str]:
         return common
     from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
 
-    return [*common, f"model.name={CALC_MODEL}", "task.kind=math", f"task.name={CACHE / 'calc_train.jsonl'}",
+    return [*common, "task.kind=math", f"task.name={CACHE / 'calc_train.jsonl'}",
             f"task.eval_path={CACHE / 'calc_heldout.jsonl'}", "task.few_shot=[]",
             f"task.instruction={CALCULATOR_INSTRUCTION}", "task.max_prompt_tokens=1024",
             "task.reward_fn=benchmarks.smollm.tool_rl:integer_answer", "optim.lr=1e-5",
@@ -138,7 +147,7 @@ def run_arm(arm: str, seed: int, task: str, args) -> dict:
            *task_overrides(task, args)]
     service = None
     if arm in ("async", "sync_split"):
-        service = Service(core=1, model=str(CALC_MODEL) if task == "calculator" else "smollm2-135m-instruct")
+        service = Service(core=1, model=task_model(task))
         cmd = ["taskset", "-c", "0", *cmd, "rollout.engine=remote", f"rollout.remote.urls=[{service.url}]"]
     t0 = time.perf_counter()
     try:
@@ -188,7 +197,9 @@ def table(runs: list[dict]) -> dict:
             mine = [r for r in runs if r["task"] == task and r["arm"] == arm]
             if not mine:
                 continue
-            mean = lambda k: sum(r[k] for r in mine if r.get(k) is not None) / max(1, sum(r.get(k) is not None for r in mine))  # noqa: E731
+            def mean(k, mine=mine):
+                values = [r[k] for r in mine if r.get(k) is not None]
+                return sum(values) / max(1, len(values))
             arms[arm] = {k: mean(k) for k in ("clock_s", "trainer_idle_frac", "engine_idle_frac", "policy_lag_max",
                                                "policy_lag_mean", "eval_greedy_acc", "eval_avg_at_n", "generate_s",
                                                "optimize_s", "tool_calls", "tool_call_frac")}

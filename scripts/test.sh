@@ -14,12 +14,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLE
 # pytest exits 5 when extra arguments select no test of a tier: not a failure.
 tier() { local rc=0; .venv/bin/python -m pytest -q "$@" || rc=$?; [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ] || exit "$rc"; }
 tier -m unit "$@"
-workers=${MUGRPO_TEST_WORKERS:-2}
-if [ "$workers" -gt 1 ]; then
-  OMP_NUM_THREADS=1 tier -n "$workers" --dist loadfile -m "not unit and not slow and not vllm and not bench" "$@"
-else
-  tier -m "not unit and not slow and not vllm and not bench" "$@"
-fi
+workers=${MUGRPO_TEST_WORKERS:-2} threads=$OMP_NUM_THREADS xdist=()
+[ "$workers" -gt 1 ] && threads=1 xdist=(-n "$workers" --dist loadfile)
+OMP_NUM_THREADS=$threads tier "${xdist[@]}" -m "not unit and not slow and not vllm and not bench" "$@"
 tier -m bench benchmarks/tests "$@"
 if [ "${MUGRPO_SKIP_VLLM:-0}" = 1 ]; then
   echo "[test] MUGRPO_SKIP_VLLM=1: vLLM engine tests skipped" >&2

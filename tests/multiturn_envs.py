@@ -1,5 +1,5 @@
-from mugrpo.rollout.envs.tools import ToolCall, ToolEnvironment
 from mugrpo.rollout.envs.base import Environment, StepResult
+from mugrpo.rollout.envs.tools import ToolEnvironment
 class TryAgain(Environment):
     """Asks for more until the turn has two '1's (reward 0.1 per '1') or three turns were taken."""
     max_turns = 3
@@ -25,8 +25,10 @@ def add(a: int, b: int) -> int:
 
 class CallsAdd(ToolEnvironment):
     """A tool environment for a tiny random model, which writes no ``<tool_call>``: its first policy turn
-    is taken as one call of ``add(a=1, b=2)``, run by the tool runner, whose answer goes back as a
-    ``role: tool`` message; the second turn ends the trajectory (reward 0.1 per '1' in it)."""
+    is answered as if it had called ``add(a=1, b=2)`` (parsed, run by the tool runner and answered as a
+    ``role: tool`` message by :class:`ToolEnvironment` itself); the second turn is the final answer."""
+
+    CALL = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
     def __init__(self, **kw):
         super().__init__([add], max_turns=2)
@@ -34,7 +36,4 @@ class CallsAdd(ToolEnvironment):
 
     def step(self, action):
         self.n += 1
-        if self.n > 1:
-            return StepResult([], 0.1 * action.count("1"), True, self._zero_counts())
-        contents, counts = self.call_tools([ToolCall("add", {"a": 1, "b": 2})])
-        return StepResult([{"role": "tool", "name": "add", "content": contents[0]}], 0.0, False, counts)
+        return super().step(self.CALL if self.n == 1 else action)

@@ -152,7 +152,8 @@ def test_tool_warmstart_table():
 
 @pytest.mark.parametrize("result, header", [
     ("async_stages.json", "| arm | cores | training clock (s), mean ± sd (seeds) | vs sync | trainer idle |"),
-    ("async_stages_calculator.json", "| arm | cores | training clock (s), mean ± sd (seeds) | vs sync | vs sync_split |"),
+    ("async_stages_calculator.json",
+     "| arm | cores | training clock (s), mean ± sd (seeds) | vs sync | vs sync_split |"),
 ])
 def test_async_stages_tables(result, header):
     runs = read_figures(RESULTS / result)["runs"]
@@ -161,15 +162,16 @@ def test_async_stages_tables(result, header):
                                                                                                 "sync_split", "grpo")}
     mean = lambda arm, k: statistics.mean(r[k] for r in by_arm[arm])  # noqa: E731
     assert [row[0].split()[0] for row in cols] == list(by_arm)
+    idle = 5 if "vs sync_split" in header else 4  # the column of "trainer idle"
     for row in cols:
         arm = row[0].split()[0]
         clocks = [r["clock_s"] for r in by_arm[arm]]
         check_rows([["", row[2]]], [[statistics.mean(clocks), statistics.stdev(clocks), *clocks]])
         check_rows([["", row[3]]], [[mean(arm, "clock_s") / mean("sync", "clock_s")]])
-        idle = 5 if "vs sync_split" in header else 4  # the column of "trainer idle"
         check_rows([["", row[idle], row[idle + 1]]], [[100 * mean(arm, "trainer_idle_frac"),
                                                         100 * mean(arm, "engine_idle_frac")]])
-        check_rows([["", row[idle + 2]]], [[max(r["policy_lag_max"] for r in by_arm[arm]), mean(arm, "policy_lag_mean")]])
+        check_rows([["", row[idle + 2]]], [[max(r["policy_lag_max"] for r in by_arm[arm]),
+                                            mean(arm, "policy_lag_mean")]])
 
 
 @pytest.mark.unit

@@ -25,7 +25,8 @@ def test_training_with_a_tool_environment_through_two_vllm_services(tmp_path):
             serving(path, *args, engine="vllm", env=service_env(VLLM_CPU_OMP_THREADS_BIND="1", **env)) as b:
         overrides = [f"model.name={path}", "rollout.engine=remote", f"rollout.remote.urls=[{a.url},{b.url}]",
                      "rollout.dtype=float32", "task.reward_fn=vllm_rewards:fraction_of_ones", "task.few_shot=[]",
-                     "task.instruction=", "rollout.max_new_tokens=64", "env.max_tokens_per_turn=8", "optim.lr=3e-3", "train.autocast=none",
+                     "task.instruction=", "rollout.max_new_tokens=64", "env.max_tokens_per_turn=8", "optim.lr=3e-3",
+                     "train.autocast=none",
                      "schedule.total_updates=4", "schedule.num_stages=2", "train.progress=false",
                      "eval.num_items=0", "task.env=multiturn_envs:CallsAdd", "task.max_prompt_tokens=900"]
         train(load_config(overrides=overrides), tmp_path / "run")
