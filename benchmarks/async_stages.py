@@ -40,6 +40,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,8 +74,9 @@ def task_overrides(task: str, args) -> list[str]:
               f"schedule.prompts_per_update={args.prompts}",
               f"rollout.group_size={args.group_size}", f"eval.num_items={args.eval_items}", "eval.at_start=false",
               "eval.every_stages=1000", "eval.every_updates=0",  # one evaluation: the last stage's
-              "train.progress=false", "rollout.engine=hf",
-              "rollout.dtype=float32"]  # the service runs float32 (--dtype); the HF engine resolves to it here
+              "train.progress=false", f"rollout.engine={args.engine}",
+              # the HF arms run float32 on both sides; vLLM's resolve by the machine (auto), as `mugrpo serve` does
+              "rollout.dtype=" + ("float32" if args.engine == "hf" else "auto")]
     if task == "default":
         return common
     from mugrpo.warmstart.demos import CALCULATOR_INSTRUCTION
@@ -117,12 +119,14 @@ def arm_overrides(arm: str, seed: int, args) -> list[str]:
 
 
 class Service:
-    """``mugrpo serve --engine hf`` on one core; its URL once it listens."""
+    """``mugrpo serve --engine ENGINE`` on one core; its URL once it listens."""
 
-    def __init__(self, core: int, model: str):
+    def __init__(self, core: int, model: str, engine: str = "hf"):
+        dtype = ["--dtype", "float32"] if engine == "hf" else []  # vLLM: auto, the trainer's rule
+        env = {**_env(1), "VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         self.proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-m", "mugrpo", "serve", "--engine",
-                                      "hf", "--model", model, "--port", "0"],
-                                     env=_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+                                      engine, "--model", model, "--port", "0", *dtype],
+                                     env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.url = None
         for line in self.proc.stderr:
             m = re.search(r"listening on (http://\S+)", line)
@@ -131,6 +135,7 @@ class Service:
                 break
         if self.url is None:
             raise RuntimeError(f"mugrpo serve did not start (exit {self.proc.wait()})")
+        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()  # never a full pipe
 
     def close(self) -> None:
         self.proc.terminate()
@@ -147,7 +152,7 @@ def run_arm(arm: str, seed: int, task: str, args) -> dict:
            *task_overrides(task, args)]
     service = None
     if arm in ("async", "sync_split"):
-        service = Service(core=1, model=task_model(task))
+        service = Service(core=1, model=task_model(task), engine=args.engine)
         cmd = ["taskset", "-c", "0", *cmd, "rollout.engine=remote", f"rollout.remote.urls=[{service.url}]"]
     t0 = time.perf_counter()
     try:
@@ -250,6 +255,8 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=8, help="schedule.prompts_per_update")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--eval-items", type=int, default=32)
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="the rollout engine: in process for sync and grpo, the service's for async and sync_split")
     p.add_argument("--append", action="store_true", help="add to the runs already in --out")
     p.add_argument("--figure", action="store_true", help="only draw --out's figure (async_stages.png beside it)")
     common_arguments(p, "async_stages", seeds=[1, 2, 3])

@@ -3,11 +3,13 @@ with ``benchmarks/`` on the path; :mod:`benchmarks.async_stages`). Same name, sc
 built-in ``calculate``, so the prompt's tool protocol is unchanged."""
 
 import functools
+import os
 import time
 
 from mugrpo.rollout.envs.builtin import calculate
 
-LATENCY_S = 0.5
+LATENCY_S = float(os.environ.get("MUGRPO_BENCH_TOOL_LATENCY_S", "0.5"))
+"""The tool's wait; ``MUGRPO_BENCH_TOOL_LATENCY_S`` sets another (:mod:`benchmarks.serving`'s agent runs)."""
 
 
 @functools.wraps(calculate)
