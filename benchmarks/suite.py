@@ -258,6 +258,18 @@ def wrap_file(path, name: str, argv: list[str]) -> Path:
     return write_result(path, name, data, config, argv=argv)
 
 
+def read_stage_data(stage_dir):
+    """A finished stage of a run, every shard, read through mugrpo's one verified reader
+    (:func:`mugrpo.stages.shards.load_stage_shards`: the marker, the checksums, the shard names)."""
+    from mugrpo.kit.distributed import World
+    from mugrpo.stages.shards import load_stage_shards
+
+    data = load_stage_shards(Path(stage_dir), World())
+    if data is None:
+        raise SystemExit(f"{stage_dir}: the stage is not complete (no shards.json); pick a run whose stage finished")
+    return data
+
+
 def read_result(path) -> dict:
     """A result file in the schema. A file from before it is wrapped as :func:`legacy_envelope` does."""
     data = json.loads(Path(path).read_text())

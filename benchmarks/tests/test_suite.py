@@ -134,3 +134,33 @@ def test_every_committed_result_is_in_the_schema_and_names_its_commit():
     tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files", "benchmarks/results"], capture_output=True,
                              text=True, check=True).stdout.split()
     assert tracked and not [f for f in tracked if f.endswith(".jsonl")]  # raw logs: gzipped beside their result
+
+
+def _two_shard_stage(folder):
+    """A stage written by two ranks: shard 0 holds prompt groups "a" and "b", shard 1 group "c"."""
+    from mugrpo.run_dir import SHARDS_FILE, shard_path
+    from mugrpo.stages.data import StageData, shard_checksum
+
+    for shard, prompts in enumerate(([[5, 6], [7]], [[8, 9, 10]])):
+        n = 2 * len(prompts)
+        StageData(prompts, [[3, 1]] * n, [[-0.5, -1.0]] * n, torch.zeros(n), torch.zeros(n),
+                  torch.ones(n, dtype=torch.bool), list(range(len(prompts))), 2).save(shard_path(folder, shard))
+    sums = [shard_checksum(shard_path(folder, s)) for s in range(2)]
+    (folder / SHARDS_FILE).write_text(json.dumps({"num_shards": 2, "num_groups": [2, 1], "sha256": sums}))
+
+
+@pytest.mark.unit
+def test_benchmarks_read_every_shard_of_a_stage_checked(tmp_path):
+    from mugrpo.run_dir import shard_path
+    from mugrpo.stages.data import StageDataError
+
+    _two_shard_stage(tmp_path)
+    data = suite.read_stage_data(tmp_path)
+    assert data.prompts == [[5, 6], [7], [8, 9, 10]]  # shard 1's group too, not rank 0's file alone
+    raw = bytearray(shard_path(tmp_path, 1).read_bytes())
+    raw[-1] ^= 1
+    shard_path(tmp_path, 1).write_bytes(bytes(raw))
+    with pytest.raises(StageDataError):
+        suite.read_stage_data(tmp_path)
+    with pytest.raises(SystemExit, match="not complete"):
+        suite.read_stage_data(tmp_path / "nothing_here")
