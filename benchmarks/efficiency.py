@@ -2,7 +2,7 @@
 
 Three parts, one command each; every number goes into ``benchmarks/results/efficiency.json`` (each
 part replaces its own key), with the CPU capability beside it, and ``job`` also draws
-``benchmarks/results/efficiency_job.png``. docs/BENCHMARKS.md section 3 reads them.
+``benchmarks/results/efficiency_job.png``. docs/benchmarks/efficiency.md (section 4) reads them.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks efficiency job --before f8ba031   # ~40 min on 2 cores
     PYTHONPATH=. .venv/bin/python -m benchmarks efficiency update RUN_DIR         # ~5 min

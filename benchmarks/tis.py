@@ -7,7 +7,7 @@ reports what the loss sees at the stage's first update (the ratio should be 1: s
 stage-level mismatch metrics of the ``trainer`` run, and, for the ``engine`` run, the same mismatch
 metrics computed afterwards over its stage-0 data with the initial model (the stage-0 behaviour
 weights, in the trainer's precision), so both runs have a whole-stage number. Results, with the
-CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md section "TIS" reads them.
+CPU capability, go to ``benchmarks/results/tis.json``; docs/benchmarks/tis.md (section 5) reads them.
 
     PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks tis            # both runs, then the summary
     PYTHONPATH=. .venv-vllm/bin/python -m benchmarks tis --summarize [--offline]  # re-read the run dirs
