@@ -13,7 +13,7 @@ import importlib
 import subprocess
 import sys
 
-from benchmarks.suite import REGISTRY, ROOT
+from benchmarks.suite import REGISTRY, ROOT, require_commit
 
 
 def listing() -> str:
@@ -28,6 +28,8 @@ def run(name: str, argv: list[str]) -> int:
         print(f"no benchmark named {name!r}; the suite:\n{listing()}", file=sys.stderr)
         return 2
     bench = REGISTRY[name]
+    if not {"-h", "--help"} & set(argv):
+        require_commit()  # the tree this run measures, read before it starts (a result must name it)
     if bench.is_shell:
         return subprocess.run(["bash", str(ROOT / bench.target), *argv], cwd=ROOT).returncode
     module, function = bench.target.split(":")

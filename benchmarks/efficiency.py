@@ -2,7 +2,7 @@
 
 Three parts, one command each; every number goes into ``benchmarks/results/efficiency.json`` (each
 part replaces its own key), with the CPU capability beside it, and ``job`` also draws
-``benchmarks/results/efficiency_job.png``. docs/BENCHMARKS.md section 3 reads them.
+``benchmarks/results/efficiency_job.png``. docs/benchmarks/efficiency.md (section 4) reads them.
 
     PYTHONPATH=. .venv/bin/python -m benchmarks efficiency job --before f8ba031   # ~40 min on 2 cores
     PYTHONPATH=. .venv/bin/python -m benchmarks efficiency update RUN_DIR         # ~5 min
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suite import common_arguments, command, read_figures, write_result
+from benchmarks.suite import common_arguments, command, read_figures, read_stage_data, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "cache" / "efficiency"
@@ -153,7 +153,7 @@ def part_memory(args) -> dict:
 
 def part_update(args) -> dict:
     from mugrpo.config import load_config
-    from mugrpo.stages.data import StageData
+    from mugrpo.run_dir import RunDir
     from mugrpo.kit.distributed import World
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
@@ -161,7 +161,7 @@ def part_update(args) -> dict:
     from mugrpo.training.trainer import RunState, Trainer
 
     run_dir = Path(args.run_dir)
-    data = StageData.load(run_dir / "stages" / "stage_001" / "rollouts_rank0.safetensors")
+    data = read_stage_data(RunDir(run_dir).stage(1))
     policy = load_policy(resolve_model_path("smollm2-135m-instruct"))
     torch.set_num_threads(args.threads)
     variants = {

@@ -63,7 +63,15 @@ def stopped_run(run_dir: Path, model: str, max_new_tokens: int, delay_s: float) 
     proc.wait()
     stop_s = time.perf_counter() - t_signal
     return {"returncode": proc.returncode, "stop_s": stop_s, "delay_s": delay_s,
-            "stage_written": (run_dir / "stages" / "stage_000" / "shards.json").exists()}
+            "stage_written": _stage_written(run_dir)}
+
+
+def _stage_written(run_dir: Path) -> bool:
+    """Whether stage 0 was completed (its marker written), as mugrpo's stage reader decides."""
+    from mugrpo.run_dir import RunDir
+    from mugrpo.stages.shards import is_complete
+
+    return is_complete(RunDir(run_dir).stage(0))
 
 
 def full_stage_generate_s(run_dir: Path, model: str, max_new_tokens: int) -> float:
@@ -106,7 +114,7 @@ def _default_job_stop(run_dir: Path, phase: str, delay_s: float) -> dict:
     return {"phase": phase, "rollout_engine": engine, "signal_after_s": round(t_signal - t_plan, 1),
             "records_at_signal": [r["kind"] for r in records], "records_at_exit": [r["kind"] for r in after],
             "sigterm_to_exit_s": round(stop_s, 2), "exit_code": proc.returncode,
-            "stage_written": (run_dir / "stages" / "stage_000" / "shards.json").exists(),
+            "stage_written": _stage_written(run_dir),
             "last_lines": tail.strip().splitlines()[-3:]}
 
 

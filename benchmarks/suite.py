@@ -11,12 +11,19 @@ does both for mugrpo's benchmarks:
 
     {"schema": 1, "benchmark": NAME,
      "machine": {"cpu_capability", "cores", "load_avg" (at start), "load_avg_end", "torch", "platform", "python"},
-     "commit": {"sha", "dirty"}, "command": [argv...], "config": {the benchmark's arguments},
+     "commit": {"sha", "dirty", "source"}, "command": [argv...], "config": {the benchmark's arguments},
      "figures": {what the benchmark measured}, "started": ISO time, "finished": ISO time or null (still running)}
 
+The commit is the checkout's at the process's start (a long run's tree may change under it), read
+with git; where there is no git (a copy of the tree on another machine) ``MUGRPO_BENCH_COMMIT=SHA``
+(``SHA+dirty`` for a changed tree) names it, and without either a result is refused at the start
+(:func:`require_commit`), not after the run. ``commit.source`` says which.
+
 Results from before the schema were wrapped in it with what they had recorded; fields they did not
-record say ``"unknown"`` (:func:`legacy_envelope`). Importing this module loads no torch, so listing
-the suite is instant; :func:`machine` imports it.
+record say ``"unknown"`` (:func:`legacy_envelope`), and their commit was recovered from git history
+(``commit.source`` says so). A result that cannot be re-run or converted lives in
+``benchmarks/results/legacy/``, outside the suite's checks. Importing this module loads no torch, so
+listing the suite is instant; :func:`machine` imports it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -148,14 +156,48 @@ def common_arguments(parser: argparse.ArgumentParser, name: str, *, out: str | N
         parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
 
 
-def commit() -> dict:
-    """The checkout's commit and whether the tree differs from it (``unknown`` outside git)."""
+COMMIT_ENV = "MUGRPO_BENCH_COMMIT"
+SHA = re.compile(r"[0-9a-f]{40}")
+
+
+def _read_commit() -> dict:
+    """The checkout's commit and whether the tree differs from it (tracked or untracked files), from
+    git, else from ``MUGRPO_BENCH_COMMIT``; ``unknown`` with neither."""
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
     try:
-        return {"sha": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain").strip())}
+        return {"sha": git("rev-parse", "HEAD").strip(), "dirty": bool(git("status", "--porcelain").strip()),
+                "source": "git"}
     except (OSError, subprocess.CalledProcessError):
-        return {"sha": UNKNOWN, "dirty": UNKNOWN}
+        pass
+    given = os.environ.get(COMMIT_ENV, "")
+    sha, _, flag = given.partition("+")
+    if SHA.fullmatch(sha) and flag in ("", "dirty"):
+        return {"sha": sha, "dirty": flag == "dirty", "source": COMMIT_ENV}
+    return {"sha": UNKNOWN, "dirty": UNKNOWN, "source": UNKNOWN}
+
+
+_COMMIT: dict | None = None
+
+
+def commit() -> dict:
+    """The commit this process started from (read once, at the first call: the harness calls
+    :func:`require_commit` before the benchmark runs)."""
+    global _COMMIT
+    if _COMMIT is None:
+        _COMMIT = _read_commit()
+    return dict(_COMMIT)
+
+
+def require_commit() -> dict:
+    """The start's commit, or an error saying how to name it: a result must say what it measured."""
+    found = commit()
+    if found["sha"] == UNKNOWN:
+        given = os.environ.get(COMMIT_ENV)
+        raise SystemExit(f"benchmarks: cannot tell which commit this tree is ({ROOT} is not a git checkout"
+                         + (f", and {COMMIT_ENV}={given!r} is not a 40-hex sha, optionally +dirty" if given else "")
+                         + f"); run from a git checkout, or set {COMMIT_ENV}=SHA (SHA+dirty if the tree differs)")
+    return found
 
 
 def machine(**extra) -> dict:
@@ -190,7 +232,7 @@ def _plain(value):
 def envelope(name: str, figures: dict, config, *, finished: bool = True, argv: list[str] | None = None,
              **machine_extra) -> dict:
     """The schema around ``figures``: machine, commit, command (``argv``, else this process's), config, times."""
-    return {"schema": SCHEMA, "benchmark": name, "machine": machine(**machine_extra), "commit": commit(),
+    return {"schema": SCHEMA, "benchmark": name, "machine": machine(**machine_extra), "commit": require_commit(),
             "command": argv or command(), "config": _plain(config), "figures": figures, "started": STARTED,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z") if finished else None}
 
@@ -209,6 +251,26 @@ def write_result(path, name: str, figures: dict, config, *, finished: bool = Tru
     tmp.write_text(json.dumps(doc, indent=indent, default=str, separators=None if indent else (",", ":")) + "\n")
     tmp.replace(path)
     return path
+
+
+def wrap_file(path, name: str, argv: list[str]) -> Path:
+    """Put a JSON file another program wrote (a ``mugrpo eval`` report a benchmark asked for) into the
+    schema, in place: its content becomes the figures, its ``settings`` (if any) the config."""
+    data = json.loads(Path(path).read_text())
+    config = data.get("settings", {}) if isinstance(data, dict) else {}
+    return write_result(path, name, data, config, argv=argv)
+
+
+def read_stage_data(stage_dir):
+    """A finished stage of a run, every shard, read through mugrpo's one verified reader
+    (:func:`mugrpo.stages.shards.load_stage_shards`: the marker, the checksums, the shard names)."""
+    from mugrpo.kit.distributed import World
+    from mugrpo.stages.shards import load_stage_shards
+
+    data = load_stage_shards(Path(stage_dir), World())
+    if data is None:
+        raise SystemExit(f"{stage_dir}: the stage is not complete (no shards.json); pick a run whose stage finished")
+    return data
 
 
 def read_result(path) -> dict:
@@ -250,7 +312,7 @@ def legacy_envelope(name: str, figures, committed_in: str = UNKNOWN) -> dict:
             "machine": {"cpu_capability": known("cpu_capability"), "cores": known("cores", "cpus", "cpu_count"),
                         "load_avg": known("load_avg", "loadavg", "loadavg_start", "load_average_start"),
                         "torch": known("torch"), "platform": UNKNOWN, "python": known("python")},
-            "commit": {"sha": UNKNOWN, "dirty": UNKNOWN, "committed_in": committed_in},
+            "commit": {"sha": UNKNOWN, "dirty": UNKNOWN, "source": UNKNOWN, "committed_in": committed_in},
             "command": top("command", "argv"), "config": top("settings", "config", "sizing"),
             "figures": figures, "started": UNKNOWN, "finished": UNKNOWN,
             "note": "written before the result schema; machine, commit and config as far as the file recorded them"}

@@ -7,7 +7,7 @@ reports what the loss sees at the stage's first update (the ratio should be 1: s
 stage-level mismatch metrics of the ``trainer`` run, and, for the ``engine`` run, the same mismatch
 metrics computed afterwards over its stage-0 data with the initial model (the stage-0 behaviour
 weights, in the trainer's precision), so both runs have a whole-stage number. Results, with the
-CPU capability, go to ``benchmarks/results/tis.json``; docs/BENCHMARKS.md section "TIS" reads them.
+CPU capability, go to ``benchmarks/results/tis.json``; docs/benchmarks/tis.md (section 5) reads them.
 
     PYTHONPATH=. nice .venv-vllm/bin/python -m benchmarks tis            # both runs, then the summary
     PYTHONPATH=. .venv-vllm/bin/python -m benchmarks tis --summarize [--offline]  # re-read the run dirs
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suite import common_arguments, read_figures, write_result
+from benchmarks.suite import common_arguments, read_figures, read_stage_data, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "cache" / "tis"
@@ -67,7 +67,6 @@ def offline_mismatch(run_dir: Path) -> dict:
     from mugrpo.training.trainer import step_settings
     from mugrpo.kit.lifecycle import resume_config
     from mugrpo.run_dir import RunDir
-    from mugrpo.stages.data import StageData
     from mugrpo.kit.distributed import World
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
@@ -75,7 +74,7 @@ def offline_mismatch(run_dir: Path) -> dict:
     cfg = resume_config(run_dir, [])
     policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    data = StageData.load(RunDir(run_dir).stage(0) / "rollouts_rank0.safetensors")
+    data = read_stage_data(RunDir(run_dir).stage(0))
     t = time.perf_counter()
     data = tis.recompute_trainer_logprobs(policy, data, step_settings(cfg, resolved), torch.device("cpu"))
     seconds = time.perf_counter() - t
@@ -93,14 +92,13 @@ def layout_sensitivity(run_dir: Path, num_groups: int = 3) -> dict:
     from mugrpo.kit.batching import micro_batches, sequences_to_train
     from mugrpo.kit.lifecycle import resume_config
     from mugrpo.run_dir import RunDir
-    from mugrpo.stages.data import StageData
     from mugrpo.kit.batching import collate
     from mugrpo.kit.forward import response_logprobs, shared_prefix_support
     from mugrpo.models.loading import load_policy, resolve_model_path
 
     cfg = resume_config(run_dir, [])
     policy = load_policy(resolve_model_path(cfg.model.name, cfg.model.cache_dir), cfg.model.trust_remote_code)
-    data = StageData.load(RunDir(run_dir).stage(0) / "rollouts_rank0.safetensors")
+    data = read_stage_data(RunDir(run_dir).stage(0))
     seqs = sequences_to_train(data, list(range(num_groups * data.group_size)), True)
     _, mask_dtype, _ = shared_prefix_support(policy)
     out = {"num_sequences": len(seqs)}
@@ -129,14 +127,14 @@ def stored_mismatch(run_dir: Path) -> dict:
     from mugrpo.stages import tis
     from mugrpo.training.trainer import step_settings
     from mugrpo.kit.lifecycle import resume_config
-    from mugrpo.stages.data import SHARDS_FILE, StageData, shard_path
+    from mugrpo.stages.shards import is_complete
     from mugrpo.kit.distributed import World
 
     cfg = resume_config(run_dir, [])
     out = {}
     for folder in sorted((run_dir / "stages").glob("stage_*")):
-        if (folder / SHARDS_FILE).is_file():
-            data = StageData.load(shard_path(folder, 0))
+        if is_complete(folder):
+            data = read_stage_data(folder)
             out[int(folder.name.split("_")[1])] = tis.stage_metrics(data, step_settings(cfg), World(), folder)
     return out
 

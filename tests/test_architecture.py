@@ -1,6 +1,8 @@
 """The package's shape, checked on its source: layers that point one way, no long parameter lists,
-no module past STYLE's 600 lines (docs/ARCHITECTURE.md draws the layers)."""
+no module past STYLE's 600 lines (docs/ARCHITECTURE.md draws the layers), and docs/ARCHITECTURE.md's
+map naming every module, one line each."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,72 @@ def test_every_module_has_a_test_that_imports_it():
                if p.name not in ("__init__.py", "__main__.py")}
     untested = sorted(modules - _imported_by_tests())
     assert not untested, "modules no test imports (add tests/<package>/test_<module>.py):\n" + "\n".join(untested)
+
+
+MAP_LINE = re.compile(r"^- `([\w/]+\.py)`: \S")
+"""A module's line in docs/ARCHITECTURE.md's map: ``- `mugrpo/algo/veto.py`: what it holds``."""
+
+
+def _holds_code(path: Path) -> bool:
+    """Whether a module has a statement besides its docstring (an ``__init__.py`` that is only a
+    docstring, or empty, needs no line in the map)."""
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return bool(body)
+
+
+def _summary(path: Path) -> str:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or "what it holds"
+    return doc.split("\n")[0].rstrip(".")
+
+
+def _map_problems(package: Path, doc: str) -> list[str]:
+    """What is wrong with the map in ``doc`` (the text of docs/ARCHITECTURE.md) for ``package``: a module
+    without its line (the message gives the line to add and where), a line naming no module, a line
+    twice, or a line under another folder's heading (``### mugrpo/algo/ ...``)."""
+    root = package.parent
+    modules = {p.relative_to(root).as_posix(): p for p in sorted(package.rglob("*.py"))
+               if p.name != "__init__.py" or _holds_code(p)}
+    named, problems, heading = [], [], None
+    for line in doc.splitlines():
+        if line.startswith("### "):
+            heading = line[4:].split()[0]
+        elif m := MAP_LINE.match(line):
+            path = m.group(1)
+            named.append(path)
+            folder = path.rsplit("/", 1)[0] + "/"
+            if heading != folder:
+                problems.append(f"{path}: its line is under `### {heading}`; move it under `### {folder}`")
+    for path in sorted(set(p for p in named if named.count(p) > 1)):
+        problems.append(f"{path}: named on {named.count(path)} lines; keep one")
+    for path in sorted(set(named) - set(modules)):
+        if not (root / path).is_file():
+            problems.append(f"{path}: no such module; remove its line")
+    for path in sorted(set(modules) - set(named)):
+        folder = path.rsplit("/", 1)[0] + "/"
+        problems.append(f"{path}: no line; add this line under `### {folder}` (a new heading if there is none):\n"
+                        f"    - `{path}`: {_summary(modules[path])}")
+    return problems
+
+
+def test_the_architecture_map_names_every_module_and_only_modules():
+    doc = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    problems = _map_problems(PACKAGE, doc)
+    assert not problems, "docs/ARCHITECTURE.md's map of modules is out of date:\n" + "\n".join(problems)
+
+
+def test_the_map_check_names_the_missing_line_and_the_stale_one(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text('"""Module a."""\nX = 1\n')
+    (package / "sub" / "__init__.py").write_text('"""Only a docstring: needs no line."""\n')
+    (package / "sub" / "new.py").write_text('"""What the new module holds.\n\nMore."""\n')
+    doc = "### pkg/\n- `pkg/a.py`: module a\n### pkg/sub/\n- `pkg/sub/gone.py`: removed\n- `pkg/a.py`: again\n"
+    assert _map_problems(package, doc) == [
+        "pkg/a.py: its line is under `### pkg/sub/`; move it under `### pkg/`",
+        "pkg/a.py: named on 2 lines; keep one",
+        "pkg/sub/gone.py: no such module; remove its line",
+        "pkg/sub/new.py: no line; add this line under `### pkg/sub/` (a new heading if there is none):\n"
+        "    - `pkg/sub/new.py`: What the new module holds"]
+    assert _map_problems(package, "### pkg/\n- `pkg/a.py`: module a\n### pkg/sub/\n- `pkg/sub/new.py`: new\n") == []

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.suite import command, common_arguments, write_result
+from benchmarks.suite import command, common_arguments, read_figures, wrap_file, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "smollm_tool_rl"
@@ -111,8 +111,7 @@ def warmstart(args) -> None:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True)
     info = {"steps": args.steps, "lr": args.lr, "wall_s": time.perf_counter() - t0, "command": " ".join(cmd[1:])}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "warmstart.json").write_text(json.dumps(info, indent=1))
+    write_result(OUT / "warmstart.json", "smollm_tool_rl", info, args)
     print(json.dumps(info))
 
 
@@ -125,7 +124,8 @@ def _eval(model: Path, label: str, tool: bool, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     print(f"{label}: {time.perf_counter() - t0:.0f} s -> {out}")
-    return json.loads(out.read_text())
+    wrap_file(out, "smollm_tool_rl", command())  # the mugrpo eval report, in the suite's schema
+    return read_figures(out)
 
 
 def probe(args) -> None:
@@ -252,7 +252,7 @@ def _start_eval() -> dict | None:
     path = OUT / "eval_warm_tool.json"
     if not path.exists():
         return None
-    m = json.loads(path.read_text())["tasks"]["calc"]
+    m = read_figures(path)["tasks"]["calc"]
     return {"update": 0, "time_s": 0.0, "train_clock_s": 0.0, "greedy_acc": m["greedy_acc"],
             "sampled_acc": m["avg_at_4"], "tool_call_frac": m["env/tool_call_frac"]}
 
@@ -291,8 +291,8 @@ def report(args) -> None:
         if start and r["arm"] != "notool":
             r["evals"].insert(0, dict(start))
         r["veto_by_turn"] = veto_by_turn(r)
-    finals = {p.stem[len("eval_"):]: json.loads(p.read_text())["tasks"]["calc"] for p in sorted(OUT.glob("eval_*.json"))}
-    out = {"warmstart": json.loads((OUT / "warmstart.json").read_text()) if (OUT / "warmstart.json").exists() else None,
+    finals = {p.stem[len("eval_"):]: read_figures(p)["tasks"]["calc"] for p in sorted(OUT.glob("eval_*.json"))}
+    out = {"warmstart": read_figures(OUT / "warmstart.json") if (OUT / "warmstart.json").exists() else None,
            "comparison": compare(runs), "runs": runs, "final_evals": finals}
     write_result(args.out, "smollm_tool_rl", out, args)  # the machine is the report's; each run's is in its bench.json
     print(f"wrote {args.out} ({len(runs)} runs)")

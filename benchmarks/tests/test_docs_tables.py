@@ -1,4 +1,5 @@
-"""The tables of docs/BENCHMARKS.md against the results they cite (benchmarks/results/).
+"""The tables of the benchmark pages (docs/benchmarks/*.md, indexed by docs/BENCHMARKS.md) against the
+results they cite (benchmarks/results/).
 
 Each check names a table by its header row and rebuilds what its numbers must be from the committed
 results: either the benchmark's own table generator (the doc's rows must appear as it prints them),
@@ -19,15 +20,20 @@ from benchmarks.suite import RESULTS, ROOT, read_figures
 
 pytestmark = pytest.mark.bench
 
-DOC = ROOT / "docs" / "BENCHMARKS.md"
+PAGES = ROOT / "docs" / "benchmarks"
+
+
+def doc_text() -> str:
+    """Every benchmark page, one after the other (a table's header row is unique among them)."""
+    return "\n".join(p.read_text() for p in sorted(PAGES.glob("*.md")))
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:e-?\d+)?")
 
 
 def doc_table(header_start: str) -> list[list[str]]:
     """The rows (cells, stripped) of the one table whose header row starts with ``header_start``."""
-    lines = DOC.read_text().splitlines()
+    lines = doc_text().splitlines()
     starts = [i for i, line in enumerate(lines) if line.startswith(header_start)]
-    assert len(starts) == 1, f"{len(starts)} tables start with {header_start!r} in {DOC.name}"
+    assert len(starts) == 1, f"{len(starts)} tables start with {header_start!r} in docs/benchmarks/"
     rows = []
     for line in lines[starts[0] + 2:]:
         if not line.startswith("|"):
@@ -89,13 +95,13 @@ def test_long_toy_lab_and_corrections_tables_are_their_generators_output():
     from benchmarks.smollm import corrections
     from benchmarks.toy_lab import plot_corrections, plot_long
 
-    doc = set(DOC.read_text().splitlines())
+    doc = set(doc_text().splitlines())
     for name, text in (("toy_lab_long.json", plot_long.markdown_summary(RESULTS / "toy_lab_long.json")),
                        ("toy_lab_corrections.json", plot_corrections.table(read_figures(RESULTS / "toy_lab_corrections.json"))),
                        ("smollm_corrections.json", corrections.table(read_figures(RESULTS / "smollm_corrections.json")))):
         rows = [line for line in text.splitlines() if line.startswith("|")]
         missing = [line for line in rows if line not in doc]
-        assert rows and not missing, f"{name}: rows not in {DOC.name}: {missing}"
+        assert rows and not missing, f"{name}: rows not in docs/benchmarks/: {missing}"
 
 
 @pytest.mark.unit
@@ -180,4 +186,4 @@ def test_every_result_a_table_cites_is_in_the_schema():
                  "toy_lab_long_triggers.json", "toy_lab_long_rollout.json", "lora.json",
                  "smollm_tool_warmstart/result.json", "async_stages.json", "async_stages_calculator.json"):
         assert json.loads((RESULTS / path).read_text())["schema"] == 1, path
-        assert path.split("/")[0] in DOC.read_text(), f"{DOC.name} does not name {path}, the results of one of its tables"
+        assert path.split("/")[0] in doc_text(), f"docs/benchmarks/ does not name {path}, the results of one of its tables"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suite import common_arguments, write_result
+from benchmarks.suite import common_arguments, read_stage_data, write_result
 from benchmarks.toy_lab.warmstart import CACHE
 DELTAS = (1e-2, 1e-3, 1e-4)
 
@@ -53,13 +53,12 @@ def stage_log_ratios(run_dir: Path):
     from transformers import AutoModelForCausalLM
 
     from mugrpo.config import load_config
-    from mugrpo.stages.data import StageData, shard_path
     from mugrpo.kit.batching import collate
     from mugrpo.kit.forward import response_logprobs
 
     cfg = load_config(file=run_dir / "config.yaml")
     stage = sorted((run_dir / "stages").glob("stage_*"))[-1]
-    data = StageData.load(shard_path(stage, 0))
+    data = read_stage_data(stage)
     ckpt = sorted((run_dir / "checkpoints").glob("ckpt_*"))[-1]
     model = AutoModelForCausalLM.from_pretrained(cfg.model.name, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(load_file(str(ckpt / "model.safetensors")), strict=False)
