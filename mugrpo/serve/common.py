@@ -57,6 +57,8 @@ class ServiceState:
     damaged: Optional[str] = None
     """Why the weights are not a whole version (a load failed after its checks); None when they are."""
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    beats: bool = True
+    """The engine reports its decode steps (HF); False: ``since_progress_s`` is always null (vLLM)."""
     pending: int = 0
     """Generation requests taken and not yet answered."""
     beat_at: float = 0.0
@@ -66,7 +68,7 @@ class ServiceState:
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def describe(self) -> dict:
-        stalled = time.monotonic() - self.beat_at if self.pending else None
+        stalled = time.monotonic() - self.beat_at if self.pending and self.beats else None
         return {**self.info, "weights_version": self.weights_version, "weights_file": self.weights_file,
                 "damaged": self.damaged, "boot_id": self.boot_id, "pending": self.pending,
                 "since_progress_s": stalled}
@@ -200,7 +202,14 @@ class VersionGate:
             await _answer(send, 503, {"error": f"the service's weights are not a whole version: {self.state.damaged}; "
                                                "load a complete version (POST /load_weights) before generating"})
             return
-        version = await self.state.enter() if generating else None
+        version = None
+        if generating:
+            self.state.request_taken()
+            try:
+                version = await self.state.enter()
+            except BaseException:
+                self.state.request_done()
+                raise
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -214,6 +223,7 @@ class VersionGate:
             await self.app(scope, receive, with_headers)
         finally:
             if generating:
+                self.state.request_done()
                 await self.state.leave()
 
 

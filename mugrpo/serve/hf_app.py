@@ -157,14 +157,12 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
                                    max_new_tokens=ext.max_tokens if ext else None,
                                    first_chunk=ext.first_chunk if ext else 0)
 
-        state.request_taken()
         watcher = asyncio.create_task(_watch_disconnect(request.receive, cancelled))
         try:
             groups = await worker.run(work)
         except Cancelled:
             return Response(status_code=499)  # nobody is listening; the code is nginx's "client closed"
         finally:
-            state.request_done()
             watcher.cancel()
         return _answer(groups, body, name, tokenizer)
 
