@@ -16,11 +16,13 @@ Log-probs cross as JSON numbers (a float's shortest round-trip repr): they arriv
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -43,16 +45,25 @@ class EngineThread:
 
     def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
         threading.Thread(target=self._loop, name="mugrpo-engine", daemon=True).start()
 
     def _loop(self) -> None:
         while True:
             fn, future, loop = self._jobs.get()
+            self._idle.clear()
             try:
                 result, error = fn(), None
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
                 result, error = None, exc
+            finally:
+                self._idle.set()
             loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call runs (True), or ``timeout_s`` passed (False: a call is stuck)."""
+        return self._idle.wait(timeout_s)
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -89,12 +100,8 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
     default_batch_size = engine.batch_size
     name = state.info["model"]
 
-    @asynccontextmanager
-    async def lifespan(_app):
-        yield
-        stopping.set()  # a stop (Ctrl-C, SIGTERM) ends the engine's call at its next decode step
-
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.stopping, app.state.worker = stopping, worker  # serve_hf's stop: see _Server
     add_error_handlers(app)
     add_middleware(app, state, security.get("api_key"), security["max_body_bytes"])
 
@@ -207,6 +214,22 @@ def serve_hf(args, model_path: str, tokenizer, state: ServiceState, security: di
     app = build_app(engine, tokenizer, state, limits, security)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.stopping.set()  # the engine's call in flight ends at its next decode step
+            super().handle_exit(sig, frame)
+
+    # uvicorn handles Ctrl-C / SIGTERM (a graceful stop), then raises the signal again under the handlers it
+    # found: with these, that ends nothing more and the command exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     log(f"listening on {url_of(sock)}")
-    uvicorn.Server(config).run(sockets=[sock])
+    _Server(config).run(sockets=[sock])
+    # torch aborts the process ("terminate called without an active exception") if it exits while a thread
+    # still computes: wait for the engine's call to end.
+    if not app.state.worker.wait_idle(30):
+        log("stopped; the engine was still busy after 30 s (a stuck call), so the process ends without cleanup")
+        sys.stderr.flush()
+        os._exit(1)
     log("stopped")

