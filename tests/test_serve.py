@@ -7,7 +7,7 @@ import pytest
 
 from mugrpo.cli import main
 from mugrpo.hardware import detect, resolve
-from mugrpo.serve import kv_bytes_per_token, kv_cache_bytes, resolve_dtype
+from mugrpo.serve.start import kv_bytes_per_token, kv_cache_bytes, resolve_dtype
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from mugrpo import serve
+from mugrpo.serve import start as serve
 from mugrpo.errors import ConfigError
 
 pytestmark = pytest.mark.unit

@@ -38,6 +38,12 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/")
 VERSION_HEADER, BOOT_HEADER = "x-mugrpo-weights-version", "x-mugrpo-boot-id"
 
 
+def url_of(sock) -> str:
+    """The URL a listening socket answers at."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def log(message: str) -> None:
     print(f"[mugrpo serve] {message}", file=sys.stderr, flush=True)
 
@@ -113,7 +119,7 @@ class ServiceState:
 
 # -- middleware (pure ASGI: they see every route, vLLM's and ours) -------------------------------------------
 
-async def _answer(send: Send, status: int, body: dict, headers: Optional[list] = None) -> None:
+async def answer_json(send: Send, status: int, body: dict, headers: Optional[list] = None) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -136,7 +142,7 @@ class KeyCheck:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                await _answer(send, 401, {"error": "this service needs its key: send the header "
+                await answer_json(send, 401, {"error": "this service needs its key: send the header "
                                                    "'Authorization: Bearer KEY' (the trainer's rollout.remote.api_key, "
                                                    "the service's --api-key or MUGRPO_API_KEY)"},
                               [(b"www-authenticate", b"Bearer")])
@@ -182,7 +188,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        await _answer(send, 413, {"error": f"the request body is larger than this service's limit of "
+        await answer_json(send, 413, {"error": f"the request body is larger than this service's limit of "
                                            f"{self.limit / 2**20:g} MB (--max-body-mb)"}, [(b"connection", b"close")])
 
 
@@ -199,7 +205,7 @@ class VersionGate:
             return
         generating = scope["path"].startswith(GENERATION_PATHS)
         if self.state.damaged and (generating or scope["path"] == "/health"):
-            await _answer(send, 503, {"error": f"the service's weights are not a whole version: {self.state.damaged}; "
+            await answer_json(send, 503, {"error": f"the service's weights are not a whole version: {self.state.damaged}; "
                                                "load a complete version (POST /load_weights) before generating"})
             return
         version = None

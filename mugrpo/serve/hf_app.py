@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mugrpo.faults import maybe_die
 from mugrpo.serve.common import (ServiceState, add_error_handlers, add_middleware, damaged_on_failure,
-                                 mugrpo_router, parse_body)
+                                 mugrpo_router, parse_body, url_of)
 from mugrpo.serve.protocol import CompletionRequest, Limits, request_problem
 from mugrpo.serve.weights import WeightsRefused, check_against, check_tensors, header_of_files, spec_of_parameters
 
@@ -171,12 +171,12 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
             return Response(status_code=499)  # nobody is listening; the code is nginx's "client closed"
         finally:
             watcher.cancel()
-        return _answer(groups, body, name, tokenizer)
+        return answer_of(groups, body, name, tokenizer)
 
     return app
 
 
-def _answer(groups, body: CompletionRequest, name: str, tokenizer) -> dict:
+def answer_of(groups, body: CompletionRequest, name: str, tokenizer) -> dict:
     """The OpenAI completions answer, choices prompt-major (index = prompt i * n + sample j), as vLLM's."""
     choices = []
     for group in groups:
@@ -202,7 +202,6 @@ def serve_hf(args, model_path: str, tokenizer, state: ServiceState, security: di
 
     from mugrpo.config.rollout_sections import RolloutConfig
     from mugrpo.rollout.engines import make_engine
-    from mugrpo.serve import url_of
     from mugrpo.serve.common import log
 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 4096

@@ -27,7 +27,7 @@ import sys
 from typing import Optional
 
 from mugrpo.serve.common import (GENERATION_PATHS, ServiceState, add_error_handlers, add_middleware,
-                                 damaged_on_failure, log, mugrpo_router)
+                                 damaged_on_failure, log, mugrpo_router, url_of)
 from mugrpo.serve.protocol import Limits, bound_problem
 from mugrpo.serve.weights import WeightsRefused, check_against, header_of_files, spec_of_config
 
@@ -61,7 +61,7 @@ def _memory_argv(args, model_path: str, dtype: str, max_model_len: int) -> list[
     from transformers import AutoConfig
     from vllm.platforms import current_platform
 
-    from mugrpo.serve import KV_CACHE_CAP_GB, kv_bytes_per_token, kv_cache_bytes
+    from mugrpo.serve.start import KV_CACHE_CAP_GB, kv_bytes_per_token, kv_cache_bytes
 
     if not current_platform.is_cpu():
         return ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
@@ -91,9 +91,9 @@ class CompletionBounds:
         message = await receive()
         problem = _bound_problem(message.get("body", b""), self.limits)
         if problem:
-            from mugrpo.serve.common import _answer
+            from mugrpo.serve.common import answer_json
 
-            await _answer(send, 400, {"error": f"bad request: {problem}"})
+            await answer_json(send, 400, {"error": f"bad request: {problem}"})
             return
         sent = False
 
@@ -158,7 +158,6 @@ async def _serve(vargs, args, state: ServiceState, security: dict, sock, spec: d
     from vllm.entrypoints.launchers.app import build_app
     from vllm.entrypoints.launchers.launcher import serve_http
 
-    from mugrpo.serve import url_of
 
     async with build_async_engine_client(vargs) as engine_client:
         supported_tasks = await engine_client.get_supported_tasks()

