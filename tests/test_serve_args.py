@@ -21,7 +21,8 @@ def test_the_arguments_and_their_defaults():
     assert vars(args) == {"model": "M", "port": 0, "host": "127.0.0.1", "engine": "hf", "dtype": "auto",
                           "api_key": None, "weights_dir": None, "batch_size": 64, "seed": 0, "max_model_len": None,
                           "max_num_seqs": 128, "kv_cache_gb": "auto", "gpu_memory_utilization": 0.9,
-                          "max_body_mb": 32.0, "max_n": 256, "max_seqs": 4096, "served_model_name": None,
+                          "max_body_mb": 32.0, "max_n": 256, "max_seqs": 4096, "header_timeout_s": 30.0,
+                          "served_model_name": None,
                           "cache_dir": "~/.cache/mugrpo"}
     assert _parser().parse_args(["--model", "M", "--port", "1"]).engine == "vllm"  # the default engine
 

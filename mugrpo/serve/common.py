@@ -152,10 +152,11 @@ class KeyCheck:
 
 class BodyLimit:
     """Reads each request body whole before the app sees it, refusing with 413 once it passes ``limit``
-    bytes (Content-Length or the bytes actually streamed, whichever shows it first), then replays it."""
+    bytes (Content-Length or the bytes actually streamed, whichever shows it first), and with 408 when the
+    client sends nothing for ``timeout_s`` before its body is in; then replays it."""
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -167,7 +168,12 @@ class BodyLimit:
             return
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                await answer_json(send, 408, {"error": f"the request body did not arrive within {self.timeout_s:g} s "
+                                                       "(--header-timeout-s)"}, [(b"connection", b"close")])
+                return
             if message["type"] != "http.request":  # the client left before its body was in
                 return
             chunks.append(message.get("body", b""))
@@ -233,13 +239,44 @@ class VersionGate:
                 await self.state.leave()
 
 
-def add_middleware(app: FastAPI, state: ServiceState, api_key: Optional[str], max_body_bytes: int) -> None:
+def add_middleware(app: FastAPI, state: ServiceState, security: dict) -> None:
     """The gate innermost, then the body bound, then the key check outermost (a request without the key is
-    refused before its body is read)."""
+    refused before its body is read). ``security``: ``api_key`` (None: no key), ``max_body_bytes``,
+    ``timeout_s`` (for a body to arrive)."""
     app.add_middleware(VersionGate, state=state)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
-    if api_key:
-        app.add_middleware(KeyCheck, key=api_key)
+    app.add_middleware(BodyLimit, limit=security["max_body_bytes"], timeout_s=security["timeout_s"])
+    if security.get("api_key"):
+        app.add_middleware(KeyCheck, key=security["api_key"])
+
+
+def header_timeout_protocol(timeout_s: float):
+    """uvicorn's HTTP protocol class (httptools where installed, else h11) that closes a connection which
+    completes no request's headers for ``timeout_s`` while none of its requests is being served: a client
+    that connects and sends nothing, or trickles its headers (slow loris). uvicorn's own
+    ``timeout_keep_alive`` only starts after a response, and any byte received cancels it."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderTimeout(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._watch(None)
+
+        def _watch(self, seen) -> None:
+            self.loop.call_later(timeout_s, self._check, seen)
+
+        def _check(self, seen) -> None:
+            if self.transport is None or self.transport.is_closing():
+                return
+            current = self.cycle  # uvicorn 0.55: a new cycle once a request's headers are in
+            if current is seen and (current is None or current.response_complete):
+                self.transport.close()
+                return
+            self._watch(current)
+
+    return HeaderTimeout
 
 
 # -- errors: the client's mistakes, named ---------------------------------------------------------------------

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mugrpo.faults import maybe_die
 from mugrpo.serve.common import (ServiceState, add_error_handlers, add_middleware, damaged_on_failure,
-                                 mugrpo_router, parse_body, url_of)
+                                 header_timeout_protocol, mugrpo_router, parse_body, url_of)
 from mugrpo.serve.protocol import CompletionRequest, Limits, request_problem
 from mugrpo.serve.weights import WeightsRefused, check_against, check_tensors, header_of_files, spec_of_parameters
 
@@ -103,7 +103,7 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.state.stopping, app.state.worker = stopping, worker  # serve_hf's stop: see _Server
     add_error_handlers(app)
-    add_middleware(app, state, security.get("api_key"), security["max_body_bytes"])
+    add_middleware(app, state, security)
 
     async def load(files, version: int) -> None:
         check_against(header_of_files(files), spec)  # the headers: nothing read, nothing changed
@@ -212,7 +212,8 @@ def serve_hf(args, model_path: str, tokenizer, state: ServiceState, security: di
     limits = Limits(max_n=args.max_n, max_seqs=args.max_seqs, max_model_len=max_model_len)
     app = build_app(engine, tokenizer, state, limits, security)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+                            http=header_timeout_protocol(args.header_timeout_s))
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:

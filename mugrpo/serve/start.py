@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted (413 above)")
     p.add_argument("--max-n", type=int, default=256, help="most samples per prompt (n) in one request")
     p.add_argument("--max-seqs", type=int, default=4096, help="most sequences (prompts x n) in one request")
+    p.add_argument("--header-timeout-s", type=float, default=30.0, help="a connection that completes no request's "
+                                                                       "headers this long while idle is closed")
     p.add_argument("--served-model-name", default=None, help="the model's name in /v1/models and /info (default: "
                                                              "--model, or a local folder's last part: no paths)")
     p.add_argument("--cache-dir", default="~/.cache/mugrpo", help="where built-in models are converted to")
@@ -54,7 +56,7 @@ def check_start(args) -> Optional[str]:
     """The checks made before anything loads (ConfigError naming the flag); the API key in effect."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: a TCP port is 0..65535 (0: any free port)")
-    for flag, value in (("--max-body-mb", args.max_body_mb), ("--max-n", args.max_n), ("--max-seqs", args.max_seqs),
+    for flag, value in (("--header-timeout-s", args.header_timeout_s), ("--max-body-mb", args.max_body_mb), ("--max-n", args.max_n), ("--max-seqs", args.max_seqs),
                         ("--batch-size", args.batch_size), ("--max-num-seqs", args.max_num_seqs)):
         if not value > 0:
             raise ConfigError(f"{flag} {value}: must be > 0")
@@ -141,7 +143,8 @@ def run(args) -> int:
         state = ServiceState(info, weights_dir)
         log(f"loading {args.model} into the {args.engine} engine, {dtype}"
             + (" (--dtype auto: the trainer's rule on this machine)" if args.dtype == "auto" else ""))
-        security = {"api_key": key, "max_body_bytes": int(args.max_body_mb * 2**20)}
+        security = {"api_key": key, "max_body_bytes": int(args.max_body_mb * 2**20),
+                    "timeout_s": args.header_timeout_s}
         if args.engine == "hf":
             from mugrpo.serve.hf_app import serve_hf
 

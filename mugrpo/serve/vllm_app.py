@@ -27,7 +27,7 @@ import sys
 from typing import Optional
 
 from mugrpo.serve.common import (GENERATION_PATHS, ServiceState, add_error_handlers, add_middleware,
-                                 damaged_on_failure, log, mugrpo_router, url_of)
+                                 damaged_on_failure, header_timeout_protocol, log, mugrpo_router, url_of)
 from mugrpo.serve.protocol import Limits, bound_problem
 from mugrpo.serve.weights import WeightsRefused, check_against, header_of_files, spec_of_config
 
@@ -170,12 +170,13 @@ async def _serve(vargs, args, state: ServiceState, security: dict, sock, spec: d
         app.middleware_stack = None
         add_error_handlers(app, validation=False)
         app.add_middleware(CompletionBounds, limits=limits)
-        add_middleware(app, state, security.get("api_key"), security["max_body_bytes"])
+        add_middleware(app, state, security)
         await init_app_state(engine_client, app.state, vargs, supported_tasks)
         log(f"listening on {url_of(sock)}")
         shutdown_task = await serve_http(app, sock=sock, host=vargs.host, port=vargs.port, log_level="warning",
                                          access_log=False, timeout_keep_alive=5,
-                                         h11_max_incomplete_event_size=64 * 1024)
+                                         h11_max_incomplete_event_size=64 * 1024,
+                                         http=header_timeout_protocol(args.header_timeout_s))
     await shutdown_task
 
 

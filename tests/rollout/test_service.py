@@ -5,6 +5,7 @@ completions equal the in-process HF engine's, bit for bit. Also the old wire for
 import contextlib
 import json
 import os
+import socket
 import time
 
 import httpx
@@ -30,7 +31,7 @@ def weights_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def svc(tiny_model_dir, weights_dir):
     with serving(tiny_model_dir, "--weights-dir", str(weights_dir), "--max-body-mb", "8", "--max-n", "64",
-                 api_key=KEY) as service:
+                 "--header-timeout-s", "2", api_key=KEY) as service:
         yield service
 
 
@@ -181,6 +182,24 @@ def test_refused_loads_change_nothing_and_a_good_one_changes_the_generations(cli
         assert r.status_code == 409 and f"version {v} is not above the service's current version 5" in r.text
     info = client.get("/info").json()
     assert (info["weights_version"], info["weights_file"]) == (5, "v5.safetensors") and _greedy(client) == after
+
+
+def test_a_connection_that_sends_no_request_is_closed(svc):
+    host, port = svc.url.removeprefix("http://").rsplit(":", 1)
+    for sent in (b"", b"GET /info HTTP/1.1\r\nHost: x\r\n"):  # nothing, and headers never finished
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(sent)
+            start = time.monotonic()
+            assert conn.recv(100) == b""  # closed by the service (--header-timeout-s 2), not by the 30 s timeout
+            assert time.monotonic() - start < 10
+
+
+def test_a_body_that_never_arrives_is_a_408(svc):
+    host, port = svc.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Length: 100\r\n\r\n{".encode())
+        assert conn.recv(1000).startswith(b"HTTP/1.1 408")
 
 
 def test_a_client_that_leaves_has_its_request_cancelled(svc, client):

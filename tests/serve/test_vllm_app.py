@@ -142,7 +142,8 @@ def test_a_refused_load_changes_nothing_and_a_whole_one_loads(client, model_dir,
     before = _greedy(client)
     norm = "model.layers.0.input_layernorm.weight"
     save_file({**good, norm: torch.ones(1)}, str(weights_dir / "shape.safetensors"))
-    save_file({**good, "lm_head.weight": good["model.embed_tokens.weight"]}, str(weights_dir / "unknown.safetensors"))
+    save_file({**good, "lm_head.weight": good["model.embed_tokens.weight"].clone()},
+              str(weights_dir / "unknown.safetensors"))
     for path, status in [("shape.safetensors", 400), ("unknown.safetensors", 400), (str(Path(model_dir) /
                          "model.safetensors"), 403)]:
         assert client.post("/load_weights", json={"path": path, "version": 1}).status_code == status, path
