@@ -199,8 +199,40 @@ class BodyLimit:
 
 
 class VersionGate:
-    """Generation requests take the gate's lease (see :class:`ServiceState`); every answer gets the
-    ``x-mugrpo-weights-version`` (the version that generated it) and ``x-mugrpo-boot-id`` headers."""
+    """Generation requests take the gate's lease (see :class:`ServiceState`) and are refused (503) while the
+    weights are damaged; the version a request generates with goes into its scope for :class:`VersionHeaders`."""
+
+    def __init__(self, app: ASGIApp, state: ServiceState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GENERATION_PATHS) and scope["path"] != "/health":
+            await self.app(scope, receive, send)
+            return
+        if self.state.damaged:
+            await answer_json(send, 503, {"error": f"the service's weights are not a whole version: "
+                                                   f"{self.state.damaged}; load a complete version (POST "
+                                                   "/load_weights) before generating"})
+            return
+        if scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        self.state.request_taken()
+        try:
+            scope["mugrpo_weights_version"] = await self.state.enter()
+        except BaseException:
+            self.state.request_done()
+            raise
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.request_done()
+            await self.state.leave()
+
+
+class VersionHeaders:
+    """Every answer (refusals included) gets ``x-mugrpo-weights-version`` (for a generation, the version that
+    generated it; else the current one) and ``x-mugrpo-boot-id``."""
 
     def __init__(self, app: ASGIApp, state: ServiceState):
         self.app, self.state = app, state
@@ -209,44 +241,27 @@ class VersionGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        generating = scope["path"].startswith(GENERATION_PATHS)
-        if self.state.damaged and (generating or scope["path"] == "/health"):
-            await answer_json(send, 503, {"error": f"the service's weights are not a whole version: {self.state.damaged}; "
-                                               "load a complete version (POST /load_weights) before generating"})
-            return
-        version = None
-        if generating:
-            self.state.request_taken()
-            try:
-                version = await self.state.enter()
-            except BaseException:
-                self.state.request_done()
-                raise
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                shown = self.state.weights_version if version is None else version
+                shown = scope.get("mugrpo_weights_version", self.state.weights_version)
                 message = {**message, "headers": [*message.get("headers", []),
                                                   (VERSION_HEADER.encode(), str(shown).encode()),
                                                   (BOOT_HEADER.encode(), self.state.boot_id.encode())]}
             await send(message)
 
-        try:
-            await self.app(scope, receive, with_headers)
-        finally:
-            if generating:
-                self.state.request_done()
-                await self.state.leave()
+        await self.app(scope, receive, with_headers)
 
 
 def add_middleware(app: FastAPI, state: ServiceState, security: dict) -> None:
-    """The gate innermost, then the body bound, then the key check outermost (a request without the key is
-    refused before its body is read). ``security``: ``api_key`` (None: no key), ``max_body_bytes``,
-    ``timeout_s`` (for a body to arrive)."""
+    """The gate innermost, then the body bound, the key check (a request without the key is refused before
+    its body is read), and the headers outermost (on every answer). ``security``: ``api_key`` (None: no
+    key), ``max_body_bytes``, ``timeout_s`` (for a body to arrive)."""
     app.add_middleware(VersionGate, state=state)
     app.add_middleware(BodyLimit, limit=security["max_body_bytes"], timeout_s=security["timeout_s"])
     if security.get("api_key"):
         app.add_middleware(KeyCheck, key=security["api_key"])
+    app.add_middleware(VersionHeaders, state=state)
 
 
 def header_timeout_protocol(timeout_s: float):

@@ -63,3 +63,32 @@ def test_a_bad_body_names_each_field():
     with pytest.raises(BadRequest, match="body: Invalid JSON: recursion limit exceeded"):
         parse_body(Body, b"[" * 100_000)
     assert parse_body(Body, b'{"path": "p"}').n == 1
+
+
+def test_damaged_weights_refuse_generation_until_a_whole_version_loads():
+    import httpx
+    from fastapi import FastAPI
+
+    from mugrpo.serve.common import add_middleware
+
+    state = ServiceState({}, "/w")
+    app = FastAPI()
+    add_middleware(app, state, {"api_key": None, "max_body_bytes": 1000, "timeout_s": 5})
+    app.post("/v1/completions")(lambda: {"choices": []})
+    app.get("/health")(lambda: {})
+    app.get("/info")(lambda: state.describe())
+
+    async def scenario():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+            ok = (await c.post("/v1/completions", json={})).status_code
+            state.damaged = "loading version 3 failed midway (OSError: disk)"
+            refused = await c.post("/v1/completions", json={})
+            health, info = (await c.get("/health")).status_code, (await c.get("/info")).json()
+            state.damaged = None  # a whole version loaded
+            return ok, refused, health, info, (await c.post("/v1/completions", json={})).status_code
+
+    ok, refused, health, info, again = asyncio.run(scenario())
+    assert ok == 200 and again == 200
+    assert refused.status_code == 503 and "version 3 failed midway" in refused.json()["error"]
+    assert refused.headers["x-mugrpo-boot-id"] == state.boot_id
+    assert health == 503 and info["damaged"].startswith("loading version 3")
