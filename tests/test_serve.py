@@ -57,3 +57,13 @@ def test_the_kv_cache_holds_the_sequences_run_at_once_within_the_cap():
     assert kv_cache_bytes(per_token, 8, 512, 2**30) == 8 * 512 * 23040  # 90 MB: within the cap
     assert kv_cache_bytes(per_token, 128, 4096, 2**30) == 2**30  # capped
     assert kv_cache_bytes(per_token, 128, 65536, 2**30) == 65536 * 23040  # never below one whole sequence
+
+
+def test_the_vllm_engine_without_vllm_exits_2_naming_the_way_out(capsys):
+    pytest.importorskip("fastapi")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment")
+    assert main(["serve", "--engine", "vllm", "--model", "/nonexistent", "--port", "0"]) == 2
+    assert "--engine vllm needs vLLM" in capsys.readouterr().err

@@ -69,6 +69,13 @@ def check_start(args) -> Optional[str]:
         raise ConfigError(f"--host {args.host} listens beyond this machine, and the service has no key: set "
                           f"--api-key KEY (or {KEY_ENV}) and give the trainer rollout.remote.api_key, or serve on "
                           "--host 127.0.0.1")
+    if args.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("--engine vllm needs vLLM, which this Python does not have: run the service with "
+                              "the vLLM environment (.venv-vllm/bin/python -m mugrpo serve ...; bash "
+                              "scripts/setup_vllm.sh installs it), or use --engine hf")
     if args.kv_cache_gb != "auto":
         try:
             if not float(args.kv_cache_gb) > 0:
