@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mugrpo.faults import maybe_die
 from mugrpo.serve.common import (ServiceState, add_error_handlers, add_middleware, damaged_on_failure,
-                                 header_timeout_protocol, mugrpo_router, parse_body, url_of)
+                                 header_timeout_protocol, log, mugrpo_router, parse_body, url_of)
 from mugrpo.serve.protocol import CompletionRequest, Limits, request_problem
 from mugrpo.serve.weights import WeightsRefused, check_against, check_tensors, header_of_files, spec_of_parameters
 
@@ -91,7 +91,7 @@ async def _watch_disconnect(receive, cancelled: threading.Event) -> None:
 
 
 def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: dict) -> FastAPI:
-    """The HF service's app. ``security``: ``api_key`` (None: no key) and ``max_body_bytes``."""
+    """The HF service's app (``security``: see :func:`mugrpo.serve.common.add_middleware`)."""
     from mugrpo.rollout.engines.base import SamplingConfig
 
     worker = EngineThread()
@@ -169,6 +169,9 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
             groups = await worker.run(work)
         except Cancelled:
             return Response(status_code=499)  # nobody is listening; the code is nginx's "client closed"
+        except Exception as exc:  # noqa: BLE001 - the engine failed (e.g. out of memory); the service stays up
+            log(f"/v1/completions failed: {type(exc).__name__}: {exc}")
+            return JSONResponse({"error": f"the engine failed: {type(exc).__name__}: {exc}"}, 500)
         finally:
             watcher.cancel()
         return answer_of(groups, body, name, tokenizer)
@@ -202,7 +205,6 @@ def serve_hf(args, model_path: str, tokenizer, state: ServiceState, security: di
 
     from mugrpo.config.rollout_sections import RolloutConfig
     from mugrpo.rollout.engines import make_engine
-    from mugrpo.serve.common import log
 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 4096
     max_model_len = args.max_model_len or min(context, 4096)
