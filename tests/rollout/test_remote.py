@@ -208,3 +208,251 @@ def test_a_trainers_weights_files_are_removed_when_it_exits(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=service_env())
     assert out.returncode == 3 and out.stdout.strip() == "2", out.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# -- against services ----------------------------------------------------------------------------------
+
+def test_one_or_two_services_sample_exactly_what_the_hf_engine_samples(tiny_model_dir, svc, svc2, weights, expected):
+    for urls in ([svc.url], [svc.url, svc2.url]):
+        engine = _remote(tiny_model_dir, urls)
+        engine.load_weights(weights)
+        seen = []
+        assert engine.generate(PROMPTS, SAMPLING, progress=seen.append) == expected[0]
+        assert sum(seen) == 10  # every sequence reported once
+        assert engine.generate(PROMPTS, SAMPLING, max_new_tokens=LIMITS) == expected[1]
+        first = engine.weights_path
+        engine.load_weights(weights)  # version 2: the file of version 1 is gone, the services say 2
+        assert not os.path.exists(first)
+        for url in urls:
+            info = _info(url)
+            assert (info["weights_version"], info["weights_file"]) == (2, Path(engine.weights_path).name)
+        engine.close()
+        assert not os.path.exists(engine.weights_path or first)
+
+
+def test_a_sync_from_another_thread_waits_for_the_call_in_flight(tiny_model_dir, svc, weights, expected):
+    engine = _remote(tiny_model_dir, [svc.url])
+    engine.load_weights(weights)
+    other = [(n, t + 1.0) for n, t in weights]  # weights that would change every sample
+    loader = threading.Thread(target=engine.load_weights, args=(other,))
+
+    def progress(k):
+        if not loader.is_alive() and engine.version == 1:
+            loader.start()  # a sync asked for while the call runs (e.g. the trainer, beside a generating thread)
+
+    assert engine.generate(PROMPTS, SAMPLING, progress=progress) == expected[0]  # all from version 1
+    assert engine.generate_version == 1
+    loader.join()
+    assert engine.version == 2 and _info(svc.url)["weights_version"] == 2
+    engine.close()
+
+
+def test_calls_from_several_threads_each_get_the_answers_of_one_weights_version(tiny_model_dir, svc, svc2, weights,
+                                                                                 expected):
+    other = _moved(tiny_model_dir, 0.05, seed=1)
+    expected_other = _in_process(tiny_model_dir, other, PROMPTS, SAMPLING)
+    assert expected_other != expected[0]
+    engine = _remote(tiny_model_dir, [svc.url, svc2.url])
+    engine.load_weights(weights)
+    results, first_done, loaded = {}, threading.Event(), threading.Event()
+
+    def caller(i):
+        for call in range(3):
+            if call == 2:
+                loaded.wait()  # the last call of each thread comes after the new version
+            results[i, call] = engine.generate(PROMPTS, SAMPLING)
+            first_done.set()
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    first_done.wait()
+    engine.load_weights(other)  # while other calls are in flight: it waits for them, new ones wait for it
+    loaded.set()
+    for t in threads:
+        t.join()
+    assert len(results) == 12
+    assert all(r in (expected[0], expected_other) for r in results.values())  # never a mix of two versions
+    assert all(results[i, 2] == expected_other for i in range(4))
+    assert sum(r == expected[0] for r in results.values()) >= 1
+    engine.close()
+
+
+def test_unreachable_url_is_a_config_error_naming_the_key(tiny_model_dir):
+    url = "http://127.0.0.1:9"  # the discard port: nothing listens there
+    with pytest.raises(ConfigError, match=r"rollout\.remote\.urls.*127\.0\.0\.1:9"):
+        _remote(tiny_model_dir, [url])
+
+
+def test_another_model_tokenizer_or_dtype_is_refused_naming_the_url(tmp_path, tiny_model_dir, svc):
+    other = str(build_tiny_model(tmp_path / "wider", hidden=32))
+    with pytest.raises(ServiceRefused, match=rf"{svc.url} serves another model.*{other}"):
+        _remote(other, [svc.url])
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<extra>"]})
+    with pytest.raises(ServiceRefused, match=rf"{svc.url} has another tokenizer"):
+        _remote(tiny_model_dir, [svc.url], tokenizer=tokenizer)
+    with pytest.raises(ServiceRefused, match=r"runs in float32.*--dtype bfloat16"):
+        _remote(tiny_model_dir, [svc.url], "rollout.dtype=bfloat16")
+
+
+def test_weights_another_trainer_pushed_are_refused(tiny_model_dir, svc2, weights):
+    engine = _remote(tiny_model_dir, [svc2.url])
+    engine.load_weights(weights)
+    answer = httpx.post(svc2.url + "/load_weights", json={"path": Path(engine.weights_path).name, "version": 7})
+    assert answer.status_code == 200, answer.text
+    with pytest.raises(ServiceRefused, match=rf"{svc2.url} holds weights version 7.*not this trainer's version 1"):
+        engine.generate(PROMPTS, SAMPLING)
+    engine.close()
+
+
+def test_the_api_key_goes_from_the_config_or_the_environment_to_the_service(tiny_model_dir, weights, expected,
+                                                                            monkeypatch):
+    monkeypatch.delenv("MUGRPO_API_KEY", raising=False)
+    with serving(tiny_model_dir, "--api-key", "s3cret") as keyed:
+        assert httpx.get(keyed.url + "/info").status_code == 401
+        with pytest.raises(ConfigError, match=rf"rollout\.remote\.api_key: .*{keyed.url}.*401"):
+            _remote(tiny_model_dir, [keyed.url])
+        with pytest.raises(ConfigError, match=r"rollout\.remote\.api_key"):
+            _remote(tiny_model_dir, [keyed.url], "rollout.remote.api_key=wrong")
+        engine = _remote(tiny_model_dir, [keyed.url], "rollout.remote.api_key=s3cret")
+        engine.load_weights(weights)
+        assert engine.generate(PROMPTS, SAMPLING) == expected[0]
+        engine.close()
+        monkeypatch.setenv("MUGRPO_API_KEY", "s3cret")
+        engine = _remote(tiny_model_dir, [keyed.url])
+        engine.load_weights(weights)
+        assert engine.generate(PROMPTS, SAMPLING, max_new_tokens=LIMITS) == expected[1]
+        engine.close()
+
+
+def test_a_slow_service_takes_fewer_chunks(tiny_model_dir, svc, svc2, weights):
+    # 16 prompts, n 2, batch_size 4: 8 chunks of 2 prompts. svc is stopped (SIGSTOP, well inside timeout_s)
+    # before the call: it holds the 2 chunks it was given first (2 in flight per HF service); svc2 takes the
+    # other 6 as it frees. The samples are still those of one in-process call.
+    prompts = [[5 + i % 7, 6 + i % 5, 7] for i in range(16)]
+    engine = _remote(tiny_model_dir, [svc.url, svc2.url], "rollout.remote.timeout_s=60")
+    engine.load_weights(weights)
+    box = {}
+    svc.proc.send_signal(signal.SIGSTOP)
+    try:
+        caller = threading.Thread(target=lambda: box.update(out=engine.generate(prompts, SAMPLING)))
+        caller.start()
+        deadline = time.monotonic() + 120
+        while engine.services[1].num_chunks < 6 and time.monotonic() < deadline and caller.is_alive():
+            time.sleep(0.1)
+    finally:
+        svc.proc.send_signal(signal.SIGCONT)
+    caller.join()
+    assert box["out"] == _in_process(tiny_model_dir, weights, prompts, SAMPLING)
+    host = [url.split("//")[1] for url in (svc.url, svc2.url)]
+    metrics = engine.metrics()
+    assert (metrics[f"perf/remote_chunks/{host[0]}"], metrics[f"perf/remote_chunks/{host[1]}"]) == (2.0, 6.0)
+    assert metrics["perf/remote_failovers"] == 0.0
+    engine.close()
+
+
+@pytest.mark.parametrize("fault", ["MUGRPO_DIE_AT", "MUGRPO_FREEZE_AT", "MUGRPO_HANG_AT"])
+def test_a_service_that_dies_or_hangs_mid_call_loses_its_chunks_to_another_once(tiny_model_dir, svc, weights,
+                                                                                 expected, fault, capsys):
+    # DIE: killed; FREEZE: SIGSTOP, /info silent; HANG: the engine stuck on the request, /info still answering
+    # (caught by its since_progress_s passing stall_timeout_s).
+    failing = start(tiny_model_dir, env=service_env(**{fault: "serve_generate:1"}))
+    try:
+        engine = _remote(tiny_model_dir, [failing.url, svc.url], "rollout.remote.timeout_s=2",
+                         "rollout.remote.stall_timeout_s=3")
+        engine.load_weights(weights)
+        capsys.readouterr()
+        # The failing service takes chunks 0 and 2 (prompts 0..1 and 4) and dies (or freezes, or sticks) on
+        # them; the other generates them too, with the chunks' own seeds: the same completions as one call.
+        assert engine.generate(PROMPTS, SAMPLING) == expected[0]
+        assert (failing.proc.poll() == -9) if fault == "MUGRPO_DIE_AT" else failing.proc.poll() is None
+        if fault == "MUGRPO_HANG_AT":
+            info = _info(failing.url)
+            assert info["pending"] >= 1 and info["since_progress_s"] > 3
+            assert "made no progress" in engine.services[0].failure
+        # Later calls go to the live one alone, at once: the failed one is asked /info in the background only.
+        assert engine.generate(PROMPTS, SAMPLING) == expected[0]
+        assert engine.generate(PROMPTS, SAMPLING) == expected[0]
+        assert [s.alive for s in engine.services] == [False, True]
+        assert engine.services[0].num_failures == 1 and engine.services[0].num_chunks == 0
+        lines = _failover_lines(capsys.readouterr().err, failing.url)
+        assert len(lines) == 1 and "prompts 0..1, 4..4" in lines[0] and f"go to {svc.url}" in lines[0], lines
+        engine.close()
+    finally:
+        failing.kill()
+
+
+def test_a_restarted_service_gets_the_current_weights_before_use(tiny_model_dir, weights, expected):
+    first = start(tiny_model_dir)
+    port = first.url.rsplit(":", 1)[1]
+    engine = _remote(tiny_model_dir, [first.url])
+    engine.load_weights(weights)
+    first.kill()
+    again = start(tiny_model_dir, "--port", port)
+    try:
+        assert engine.generate(PROMPTS, SAMPLING) == expected[0]  # not the service's own start-up weights
+        assert _info(again.url)["weights_version"] == 1
+        engine.close()
+    finally:
+        again.kill()
+
+
+def test_no_service_left_names_the_urls_and_the_resume_command(tiny_model_dir, weights):
+    failing = start(tiny_model_dir, env=service_env(MUGRPO_DIE_AT="serve_generate:1"))
+    try:
+        engine = _remote(tiny_model_dir, [failing.url])
+        engine.load_weights(weights)
+        with pytest.raises(RemoteUnavailable, match=rf"no rollout service is left: {failing.url}.*mugrpo train "
+                                                    r"--resume RUN_DIR"):
+            engine.generate(PROMPTS, SAMPLING)
+        engine.close()
+    finally:
+        failing.kill()
+
+
+def _fake_service(info, completions: bytes, headers: dict):
+    """A stand-in for a broken service: a real service's /info, a canned /v1/completions answer."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, data, extra):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            for k, v in extra.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            self._send(json.dumps(info).encode(), {})
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send(completions, headers)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def test_malformed_or_truncated_answers_are_refused_naming_the_url(tiny_model_dir, svc):
+    info = _info(svc.url)
+    ours = {"x-mugrpo-weights-version": "0", "x-mugrpo-boot-id": info["boot_id"]}
+    wrong = {"choices": [{"index": i, "token_ids": [3, 4], "logprobs": {"token_logprobs": [-1.0]},
+                          "finish_reason": "length"} for i in range(4)]}
+    cases = [(json.dumps(wrong).encode(), ours, r"answered /v1/completions with a malformed result.*equal length"),
+             (b'{"choices": [{"index": 0, "token_ids": [3, 4], "logp', ours,
+              r"answered /v1/completions with malformed JSON"),
+             (json.dumps(wrong).encode(), {}, r"answered without the x-mugrpo-boot-id")]
+    for body, headers, message in cases:
+        server, url = _fake_service(info, body, headers)
+        engine = _remote(tiny_model_dir, [url])
+        try:
+            with pytest.raises(ServiceRefused, match=rf"{url} {message}"):
+                engine.generate(PROMPTS[:2], SAMPLING)
+        finally:
+            engine.close()
+            server.shutdown()

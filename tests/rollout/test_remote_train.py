@@ -88,6 +88,19 @@ def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(t
     _assert_same_run(reference, run_dir)
 
 
+def test_a_weights_folder_the_trainer_cannot_write_exits_2_naming_the_key(tmp_path, tiny_model_dir, capsys):
+    from rollout.test_remote import _read_only_dir
+
+    folder = _read_only_dir(tmp_path)
+    # No service is needed: the folder is checked before the services are asked.
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *_overrides(tiny_model_dir, *_remote("http://127.0.0.1:9"),
+                                                                           f"rollout.remote.weights_dir={folder}")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"rollout.remote.weights_dir={folder}: the trainer cannot write there" in err
+    assert "mugrpo train --resume RUN_DIR" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # a new run that failed at start leaves nothing
+
+
 @pytest.mark.distributed
 @pytest.mark.slow  # ~30 s
 def test_two_ranks_against_one_service_train_as_two_ranks_in_process(tmp_path, tiny_model_dir, svc):
