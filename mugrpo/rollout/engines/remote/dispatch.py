@@ -103,6 +103,11 @@ Send = Callable[[Service, Chunk], Awaitable[tuple[dict, object]]]
 """Sends one chunk to one service; returns the answer's JSON and headers (raises Down / ServiceRefused)."""
 
 
+class Left(Down):
+    """A request dropped because its service left (for a failure seen elsewhere: a restart, another
+    request's failure, its watcher)."""
+
+
 class Dispatcher:
     """The services of one engine and the weights version they must hold (``version``, ``weights_file``:
     the file's name in the services' ``--weights-dir``; 0 / None before the first load)."""
@@ -175,7 +180,7 @@ class Dispatcher:
         if s.refusal is not None:
             refusal, s.refusal = s.refusal, None
             raise refusal
-        raise Down(s.failure)
+        raise Left(s.failure)
 
     async def run_chunk(self, chunk: Chunk, send: Send, check: Callable[[Service, dict], object]):
         """Place ``chunk`` until a service answers it; ``check(service, answer)`` builds the result
@@ -187,7 +192,7 @@ class Dispatcher:
                     answer, headers = await self._exchange(s, send(s, chunk))
                     self._check_headers(s, headers)
             except Down as exc:
-                if s.state == LIVE:  # else it left already (a restart, or another request's failure)
+                if not isinstance(exc, Left):  # this request failed: the service leaves (if it has not yet)
                     self.leave(s, str(exc), DOWN)
                 chunk.failed_on.append(s.url)
                 if len(chunk.failed_on) > self.limits.retries:
@@ -211,7 +216,7 @@ class Dispatcher:
                                  f"{VERSION_HEADER} headers; is that URL a mugrpo serve service?")
         if boot != s.boot_id:
             self.leave(s, f"{s.url} restarted before it answered", BACK)
-            raise Down(f"{s.url} restarted before it answered")
+            raise Left(f"{s.url} restarted before it answered")
         if version != str(self.version):
             refusal = self._other_trainer(s, version, None)
             self._refuse(s, refusal)
