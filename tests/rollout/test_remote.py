@@ -215,17 +215,18 @@ def test_a_trainers_weights_files_are_removed_when_it_exits(tmp_path):
 def test_one_or_two_services_sample_exactly_what_the_hf_engine_samples(tiny_model_dir, svc, svc2, weights, expected):
     for urls in ([svc.url], [svc.url, svc2.url]):
         engine = _remote(tiny_model_dir, urls)
+        start_version = engine.version  # the highest version the services held (a version never goes back)
         engine.load_weights(weights)
         seen = []
         assert engine.generate(PROMPTS, SAMPLING, progress=seen.append) == expected[0]
         assert sum(seen) == 10  # every sequence reported once
         assert engine.generate(PROMPTS, SAMPLING, max_new_tokens=LIMITS) == expected[1]
         first = engine.weights_path
-        engine.load_weights(weights)  # version 2: the file of version 1 is gone, the services say 2
-        assert not os.path.exists(first)
+        engine.load_weights(weights)  # the next version: the file of the first is gone, the services say 2
+        assert not os.path.exists(first) and engine.version == start_version + 2
         for url in urls:
             info = _info(url)
-            assert (info["weights_version"], info["weights_file"]) == (2, Path(engine.weights_path).name)
+            assert (info["weights_version"], info["weights_file"]) == (engine.version, Path(engine.weights_path).name)
         engine.close()
         assert not os.path.exists(engine.weights_path or first)
 
@@ -233,17 +234,18 @@ def test_one_or_two_services_sample_exactly_what_the_hf_engine_samples(tiny_mode
 def test_a_sync_from_another_thread_waits_for_the_call_in_flight(tiny_model_dir, svc, weights, expected):
     engine = _remote(tiny_model_dir, [svc.url])
     engine.load_weights(weights)
+    v = engine.version
     other = [(n, t + 1.0) for n, t in weights]  # weights that would change every sample
     loader = threading.Thread(target=engine.load_weights, args=(other,))
 
     def progress(k):
-        if not loader.is_alive() and engine.version == 1:
+        if not loader.is_alive() and engine.version == v:
             loader.start()  # a sync asked for while the call runs (e.g. the trainer, beside a generating thread)
 
-    assert engine.generate(PROMPTS, SAMPLING, progress=progress) == expected[0]  # all from version 1
-    assert engine.generate_version == 1
+    assert engine.generate(PROMPTS, SAMPLING, progress=progress) == expected[0]  # all from version v
+    assert engine.generate_version == v
     loader.join()
-    assert engine.version == 2 and _info(svc.url)["weights_version"] == 2
+    assert engine.version == v + 1 and _info(svc.url)["weights_version"] == v + 1
     engine.close()
 
 
@@ -299,9 +301,10 @@ def test_another_model_tokenizer_or_dtype_is_refused_naming_the_url(tmp_path, ti
 def test_weights_another_trainer_pushed_are_refused(tiny_model_dir, svc2, weights):
     engine = _remote(tiny_model_dir, [svc2.url])
     engine.load_weights(weights)
-    answer = httpx.post(svc2.url + "/load_weights", json={"path": Path(engine.weights_path).name, "version": 7})
+    v = engine.version
+    answer = httpx.post(svc2.url + "/load_weights", json={"path": Path(engine.weights_path).name, "version": v + 6})
     assert answer.status_code == 200, answer.text
-    with pytest.raises(ServiceRefused, match=rf"{svc2.url} holds weights version 7.*not this trainer's version 1"):
+    with pytest.raises(ServiceRefused, match=rf"{svc2.url} holds weights version {v + 6}.*not this trainer's version {v}"):
         engine.generate(PROMPTS, SAMPLING)
     engine.close()
 
@@ -392,7 +395,7 @@ def test_a_restarted_service_gets_the_current_weights_before_use(tiny_model_dir,
     again = start(tiny_model_dir, "--port", port)
     try:
         assert engine.generate(PROMPTS, SAMPLING) == expected[0]  # not the service's own start-up weights
-        assert _info(again.url)["weights_version"] == 1
+        assert _info(again.url)["weights_version"] == engine.version
         engine.close()
     finally:
         again.kill()
@@ -440,7 +443,7 @@ def _fake_service(info, completions: bytes, headers: dict):
 
 def test_malformed_or_truncated_answers_are_refused_naming_the_url(tiny_model_dir, svc):
     info = _info(svc.url)
-    ours = {"x-mugrpo-weights-version": "0", "x-mugrpo-boot-id": info["boot_id"]}
+    ours = {"x-mugrpo-weights-version": str(info["weights_version"]), "x-mugrpo-boot-id": info["boot_id"]}
     wrong = {"choices": [{"index": i, "token_ids": [3, 4], "logprobs": {"token_logprobs": [-1.0]},
                           "finish_reason": "length"} for i in range(4)]}
     cases = [(json.dumps(wrong).encode(), ours, r"answered /v1/completions with a malformed result.*equal length"),

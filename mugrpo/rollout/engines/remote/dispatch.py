@@ -110,11 +110,13 @@ class Left(Down):
 
 class Dispatcher:
     """The services of one engine and the weights version they must hold (``version``, ``weights_file``:
-    the file's name in the services' ``--weights-dir``; 0 / None before the first load)."""
+    the file's name in the services' ``--weights-dir``). A service never goes back to a lower version, so
+    this engine's versions continue from the highest one its services held at start (``version``, with
+    ``weights_file`` None until the first load)."""
 
-    def __init__(self, http: Http, services: list[Service], limits: Limits):
+    def __init__(self, http: Http, services: list[Service], limits: Limits, version: int = 0):
         self.http, self.services, self.limits = http, services, limits
-        self.version, self.weights_file = 0, None
+        self.version, self.weights_file = version, None
         self.loading = False
         self._weights_lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -187,13 +189,17 @@ class Dispatcher:
         (ValueError: malformed, refused naming the URL)."""
         while True:
             s = await self._acquire()
-            try:
-                with self._busy(s, chunk):
+            with self._busy(s, chunk):  # the chunk counts as in flight on s until the failover line names it
+                try:
                     answer, headers = await self._exchange(s, send(s, chunk))
                     self._check_headers(s, headers)
-            except Down as exc:
-                if not isinstance(exc, Left):  # this request failed: the service leaves (if it has not yet)
-                    self.leave(s, str(exc), DOWN)
+                    failure = None
+                except Down as exc:
+                    if not isinstance(exc, Left):  # this request failed: the service leaves (if it has not yet)
+                        self.leave(s, str(exc), DOWN)
+                    failure = exc
+            if failure is not None:
+                exc = failure
                 chunk.failed_on.append(s.url)
                 if len(chunk.failed_on) > self.limits.retries:
                     raise RemoteUnavailable(
@@ -225,9 +231,9 @@ class Dispatcher:
 
     def _other_trainer(self, s: Service, version, file) -> ServiceRefused:
         theirs = f"{version}" + (f" ({file})" if file else "")
+        ours = f"{self.version}" + (f" ({self.weights_file})" if self.weights_file else "")
         return ServiceRefused(f"the rollout service at {s.url} holds weights version {theirs}, not this trainer's "
-                              f"version {self.version} ({self.weights_file}): is another trainer using it? Give "
-                              "each trainer its own services")
+                              f"version {ours}: is another trainer using it? Give each trainer its own services")
 
     # -- leaving, watching, coming back ----------------------------------------------------------------
 
@@ -296,7 +302,7 @@ class Dispatcher:
                 self.leave(s, why, DOWN)
                 return
             held = (info.get("weights_version"), info.get("weights_file"))
-            if s.alive and not self.loading and self.version and held != (self.version, self.weights_file):
+            if s.alive and not self.loading and self.weights_file and held != (self.version, self.weights_file):
                 self._refuse(s, self._other_trainer(s, *held))
                 return
 
@@ -322,7 +328,7 @@ class Dispatcher:
             try:
                 info, _ = await self.http.request(s.url, "/info")
                 s.boot_id, s.gone = str(info.get("boot_id")), asyncio.Event()
-                if self.version and (info.get("weights_version"), info.get("weights_file")) != (
+                if self.weights_file and (info.get("weights_version"), info.get("weights_file")) != (
                         self.version, self.weights_file):
                     await self._push(s)
             except Down as exc:

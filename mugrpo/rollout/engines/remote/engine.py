@@ -113,14 +113,14 @@ class _Loop:
         reported = 0
         try:
             while True:
-                try:
-                    return future.result(timeout=0.5)
-                except concurrent.futures.TimeoutError:
-                    pass
+                concurrent.futures.wait([future], timeout=0.5)
                 if progress is not None:
                     now = done[0] if done else 0
-                    progress(now - reported)  # 0 between chunks: the caller's chance to stop the call
-                    reported = now
+                    if not future.done() or now != reported:
+                        progress(now - reported)  # 0 between chunks: the caller's chance to stop the call
+                        reported = now
+                if future.done():
+                    return future.result()
         except BaseException:
             future.cancel()
             with contextlib.suppress(BaseException):
@@ -155,7 +155,8 @@ class RemoteEngine:
             self.weights.prepare()  # dead trainers' files removed; a folder it cannot write: exit 2 now
         self.eos = _eos(model_path, tokenizer)
         self.generate_version = 0
-        """The weights version the last ``generate`` call's completions came from (0: the services' own)."""
+        """The weights version the last ``generate`` call's completions came from. Versions continue from
+        the highest one the services held at start (a service never goes back to a lower one)."""
         self._rw = ReadWriteLock()
         self._loop = _Loop()
         poll_s = min(1.0, r.timeout_s / 2)
@@ -186,7 +187,8 @@ class RemoteEngine:
         services = [Service(url.rstrip("/"), str(info.get("boot_id")), str(info.get("engine")), str(info.get("model")),
                             self.max_in_flight or DEFAULT_IN_FLIGHT.get(info.get("engine"), 2))
                     for url, info in zip(urls, infos)]
-        return Dispatcher(http, services, limits)
+        held = max((i.get("weights_version") for i in infos if type(i.get("weights_version")) is int), default=0)
+        return Dispatcher(http, services, limits, version=held)  # versions go on from the highest one held
 
     @staticmethod
     async def _info(http: Http, url: str, model_path: str, want: dict) -> dict:

@@ -29,6 +29,7 @@ from typing import Iterable, Optional
 import torch
 
 from mugrpo.errors import UserError
+from mugrpo.rollout.service import default_weights_dir
 from mugrpo.run_dir import atomic_write, write_failure
 
 _NAME = re.compile(r"^\.?mugrpo-(?P<host>.+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{12})-v\d+\.safetensors(\.tmp-\d+)?$")
@@ -39,12 +40,6 @@ RESUME = "mugrpo train --resume RUN_DIR"
 
 class WeightsDirError(UserError):
     """``rollout.remote.weights_dir`` cannot take the weights file (read-only, full, not a folder)."""
-
-
-def default_weights_dir() -> str:
-    """``/dev/shm/mugrpo-weights`` where ``/dev/shm`` exists, else ``mugrpo-weights`` in the system temp folder."""
-    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(root, "mugrpo-weights")
 
 
 def host_name() -> str:
