@@ -26,6 +26,7 @@ from mugrpo.models.loading import load_tokenizer
 from mugrpo.models.tiny import build_tiny_model
 from mugrpo.rollout.engines import SamplingConfig, make_engine
 from mugrpo.rollout.engines.remote import RemoteUnavailable, ServiceRefused, WeightsDirError
+from mugrpo.rollout.engines.remote.dispatch import DOWN, LIVE
 from mugrpo.rollout.engines.remote.engine import ReadWriteLock
 from mugrpo.rollout.engines.remote.weights import WeightsFolder, host_name, remove_dead_trainers_files
 from mugrpo.rollout.engines.remote.wire import completions_from_answer
@@ -304,7 +305,8 @@ def test_weights_another_trainer_pushed_are_refused(tiny_model_dir, svc2, weight
     v = engine.version
     answer = httpx.post(svc2.url + "/load_weights", json={"path": Path(engine.weights_path).name, "version": v + 6})
     assert answer.status_code == 200, answer.text
-    with pytest.raises(ServiceRefused, match=rf"{svc2.url} holds weights version {v + 6}.*not this trainer's version {v}"):
+    refused = rf"{svc2.url} holds weights version {v + 6}.*not this trainer's version {v}"
+    with pytest.raises(ServiceRefused, match=refused):
         engine.generate(PROMPTS, SAMPLING)
     engine.close()
 
@@ -377,7 +379,7 @@ def test_a_service_that_dies_or_hangs_mid_call_loses_its_chunks_to_another_once(
         # Later calls go to the live one alone, at once: the failed one is asked /info in the background only.
         assert engine.generate(PROMPTS, SAMPLING) == expected[0]
         assert engine.generate(PROMPTS, SAMPLING) == expected[0]
-        assert [s.alive for s in engine.services] == [False, True]
+        assert [s.state for s in engine.services] == [DOWN, LIVE]  # asked /info in the background, still out
         assert engine.services[0].num_failures == 1 and engine.services[0].num_chunks == 0
         lines = _failover_lines(capsys.readouterr().err, failing.url)
         assert len(lines) == 1 and "prompts 0..1, 4..4" in lines[0] and f"go to {svc.url}" in lines[0], lines

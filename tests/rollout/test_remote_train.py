@@ -96,8 +96,8 @@ def test_a_weights_folder_the_trainer_cannot_write_exits_2_naming_the_key(tmp_pa
 
     folder = _read_only_dir(tmp_path)
     # No service is needed: the folder is checked before the services are asked.
-    code = main(["train", "--run-dir", str(tmp_path / "run"), *_overrides(tiny_model_dir, *_remote("http://127.0.0.1:9"),
-                                                                           f"rollout.remote.weights_dir={folder}")])
+    overrides = _overrides(tiny_model_dir, *_remote("http://127.0.0.1:9"), f"rollout.remote.weights_dir={folder}")
+    code = main(["train", "--run-dir", str(tmp_path / "run"), *overrides])
     err = capsys.readouterr().err
     assert code == 2 and f"rollout.remote.weights_dir={folder}: the trainer cannot write there" in err
     assert "mugrpo train --resume RUN_DIR" in err and "Traceback" not in err
