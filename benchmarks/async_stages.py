@@ -121,7 +121,7 @@ class Service:
 
     def __init__(self, core: int, model: str):
         self.proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-m", "mugrpo", "serve", "--engine",
-                                      "hf", "--model", model, "--port", "0"],
+                                      "hf", "--model", model, "--port", "0", "--dtype", "float32"],
                                      env=_env(1), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.url = None
         for line in self.proc.stderr:

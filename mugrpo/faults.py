@@ -13,8 +13,8 @@ before its checkpoint), ``checkpoint_write`` (inside a checkpoint write, before 
 ``start`` (the CLI, as soon as its stop handler is held: before any heavy import), ``model_loaded``
 (a phase's model, data and engine built, before its first step), ``phase_end`` (between a run's
 warm start and its RL),
-``serve_generate`` (a rollout service got a generate request and has not answered it:
-:mod:`mugrpo.rollout.service`). ``MUGRPO_FREEZE_AT="point:n"`` sends SIGSTOP instead: the process
+``serve_generate`` (an HF rollout service took a completions request and has not answered it:
+:mod:`mugrpo.serve.hf_app`). ``MUGRPO_FREEZE_AT="point:n"`` sends SIGSTOP instead: the process
 hangs there, alive but silent (a hung service). ``MUGRPO_HANG_AT="point:n"`` blocks only the thread
 that passes ``point``, for good, while the process's other threads go on (a stuck engine whose server
 still answers).

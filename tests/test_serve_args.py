@@ -1,10 +1,10 @@
-"""``mugrpo serve``'s arguments (mugrpo.serve): what they parse to, and the port checked before any
-model loads."""
+"""``mugrpo serve``'s arguments (mugrpo.serve): what they parse to, and the checks made before any model
+loads."""
 import argparse
 
 import pytest
 
-from mugrpo import serve
+from mugrpo.serve import start as serve
 from mugrpo.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -18,15 +18,19 @@ def _parser():
 
 def test_the_arguments_and_their_defaults():
     args = _parser().parse_args(["--model", "M", "--port", "0", "--engine", "hf"])
-    assert vars(args) == {"model": "M", "port": 0, "host": "127.0.0.1", "engine": "hf", "dtype": "float32",
-                          "batch_size": 64, "seed": 0, "kv_cache_gb": 2.0, "max_model_len": None,
-                          "gpu_memory_utilization": 0.9, "cache_dir": "~/.cache/mugrpo"}
+    assert vars(args) == {"model": "M", "port": 0, "host": "127.0.0.1", "engine": "hf", "dtype": "auto",
+                          "api_key": None, "weights_dir": None, "batch_size": 64, "seed": 0, "max_model_len": None,
+                          "max_num_seqs": 128, "kv_cache_gb": "auto", "gpu_memory_utilization": 0.9,
+                          "max_body_mb": 32.0, "max_n": 256, "max_seqs": 4096, "header_timeout_s": 30.0,
+                          "served_model_name": None,
+                          "cache_dir": "~/.cache/mugrpo"}
     assert _parser().parse_args(["--model", "M", "--port", "1"]).engine == "vllm"  # the default engine
 
 
 @pytest.mark.parametrize("argv", [["--model", "M"],  # --port is required
                                   ["--port", "0"],  # --model is required
                                   ["--model", "M", "--port", "0", "--engine", "tgi"],
+                                  ["--model", "M", "--port", "0", "--dtype", "int8"],
                                   ["--model", "M", "--port", "zero"]])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -34,8 +38,25 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert info.value.code == 2
 
 
-@pytest.mark.parametrize("port", [-1, 65536])
-def test_a_port_out_of_range_is_refused_before_anything_loads(port):
-    args = _parser().parse_args(["--model", "/nonexistent", "--port", str(port), "--engine", "hf"])
-    with pytest.raises(ConfigError, match=rf"--port {port}: a TCP port is 0..65535"):
+@pytest.mark.parametrize("extra, says", [
+    (["--port", "-1"], "--port -1: a TCP port is 0..65535"),
+    (["--port", "65536"], "--port 65536: a TCP port is 0..65535"),
+    (["--port", "0", "--max-n", "0"], "--max-n 0: must be > 0"),
+    (["--port", "0", "--max-body-mb", "-1"], "--max-body-mb -1.0: must be > 0"),
+    (["--port", "0", "--kv-cache-gb", "lots"], "--kv-cache-gb lots: a size in GB > 0, or auto"),
+    (["--port", "0", "--api-key", " "], "--api-key is empty"),
+    (["--port", "0", "--host", "0.0.0.0"], "--host 0.0.0.0 listens beyond this machine"),
+])
+def test_bad_values_are_refused_before_anything_loads(extra, says, monkeypatch):
+    monkeypatch.delenv("MUGRPO_API_KEY", raising=False)
+    args = _parser().parse_args(["--model", "/nonexistent", "--engine", "hf", *extra])
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(")):
         serve.run(args)
+
+
+def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
+    monkeypatch.setenv("MUGRPO_API_KEY", "from-env")
+    assert serve.check_start(_parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0"])) == "from-env"
+    assert serve.check_start(_parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0", "--api-key", "flag"])) == "flag"
+    monkeypatch.delenv("MUGRPO_API_KEY")
+    assert serve.check_start(_parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0"])) is None

@@ -38,6 +38,12 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/inference/")
 VERSION_HEADER, BOOT_HEADER = "x-mugrpo-weights-version", "x-mugrpo-boot-id"
 
 
+def url_of(sock) -> str:
+    """The URL a listening socket answers at."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def log(message: str) -> None:
     print(f"[mugrpo serve] {message}", file=sys.stderr, flush=True)
 
@@ -57,6 +63,8 @@ class ServiceState:
     damaged: Optional[str] = None
     """Why the weights are not a whole version (a load failed after its checks); None when they are."""
     boot_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    beats: bool = True
+    """The engine reports its decode steps (HF); False: ``since_progress_s`` is always null (vLLM)."""
     pending: int = 0
     """Generation requests taken and not yet answered."""
     beat_at: float = 0.0
@@ -66,7 +74,7 @@ class ServiceState:
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def describe(self) -> dict:
-        stalled = time.monotonic() - self.beat_at if self.pending else None
+        stalled = time.monotonic() - self.beat_at if self.pending and self.beats else None
         return {**self.info, "weights_version": self.weights_version, "weights_file": self.weights_file,
                 "damaged": self.damaged, "boot_id": self.boot_id, "pending": self.pending,
                 "since_progress_s": stalled}
@@ -111,7 +119,7 @@ class ServiceState:
 
 # -- middleware (pure ASGI: they see every route, vLLM's and ours) -------------------------------------------
 
-async def _answer(send: Send, status: int, body: dict, headers: Optional[list] = None) -> None:
+async def answer_json(send: Send, status: int, body: dict, headers: Optional[list] = None) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -134,7 +142,7 @@ class KeyCheck:
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
-                await _answer(send, 401, {"error": "this service needs its key: send the header "
+                await answer_json(send, 401, {"error": "this service needs its key: send the header "
                                                    "'Authorization: Bearer KEY' (the trainer's rollout.remote.api_key, "
                                                    "the service's --api-key or MUGRPO_API_KEY)"},
                               [(b"www-authenticate", b"Bearer")])
@@ -144,10 +152,11 @@ class KeyCheck:
 
 class BodyLimit:
     """Reads each request body whole before the app sees it, refusing with 413 once it passes ``limit``
-    bytes (Content-Length or the bytes actually streamed, whichever shows it first), then replays it."""
+    bytes (Content-Length or the bytes actually streamed, whichever shows it first), and with 408 when the
+    client sends nothing for ``timeout_s`` before its body is in; then replays it."""
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0):
+        self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -159,7 +168,12 @@ class BodyLimit:
             return
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                await answer_json(send, 408, {"error": f"the request body did not arrive within {self.timeout_s:g} s "
+                                                       "(--header-timeout-s)"}, [(b"connection", b"close")])
+                return
             if message["type"] != "http.request":  # the client left before its body was in
                 return
             chunks.append(message.get("body", b""))
@@ -180,13 +194,45 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send: Send) -> None:
-        await _answer(send, 413, {"error": f"the request body is larger than this service's limit of "
+        await answer_json(send, 413, {"error": f"the request body is larger than this service's limit of "
                                            f"{self.limit / 2**20:g} MB (--max-body-mb)"}, [(b"connection", b"close")])
 
 
 class VersionGate:
-    """Generation requests take the gate's lease (see :class:`ServiceState`); every answer gets the
-    ``x-mugrpo-weights-version`` (the version that generated it) and ``x-mugrpo-boot-id`` headers."""
+    """Generation requests take the gate's lease (see :class:`ServiceState`) and are refused (503) while the
+    weights are damaged; the version a request generates with goes into its scope for :class:`VersionHeaders`."""
+
+    def __init__(self, app: ASGIApp, state: ServiceState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GENERATION_PATHS) and scope["path"] != "/health":
+            await self.app(scope, receive, send)
+            return
+        if self.state.damaged:
+            await answer_json(send, 503, {"error": f"the service's weights are not a whole version: "
+                                                   f"{self.state.damaged}; load a complete version (POST "
+                                                   "/load_weights) before generating"})
+            return
+        if scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        self.state.request_taken()
+        try:
+            scope["mugrpo_weights_version"] = await self.state.enter()
+        except BaseException:
+            self.state.request_done()
+            raise
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.request_done()
+            await self.state.leave()
+
+
+class VersionHeaders:
+    """Every answer (refusals included) gets ``x-mugrpo-weights-version`` (for a generation, the version that
+    generated it; else the current one) and ``x-mugrpo-boot-id``."""
 
     def __init__(self, app: ASGIApp, state: ServiceState):
         self.app, self.state = app, state
@@ -195,35 +241,57 @@ class VersionGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        generating = scope["path"].startswith(GENERATION_PATHS)
-        if self.state.damaged and (generating or scope["path"] == "/health"):
-            await _answer(send, 503, {"error": f"the service's weights are not a whole version: {self.state.damaged}; "
-                                               "load a complete version (POST /load_weights) before generating"})
-            return
-        version = await self.state.enter() if generating else None
 
         async def with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
-                shown = self.state.weights_version if version is None else version
+                shown = scope.get("mugrpo_weights_version", self.state.weights_version)
                 message = {**message, "headers": [*message.get("headers", []),
                                                   (VERSION_HEADER.encode(), str(shown).encode()),
                                                   (BOOT_HEADER.encode(), self.state.boot_id.encode())]}
             await send(message)
 
-        try:
-            await self.app(scope, receive, with_headers)
-        finally:
-            if generating:
-                await self.state.leave()
+        await self.app(scope, receive, with_headers)
 
 
-def add_middleware(app: FastAPI, state: ServiceState, api_key: Optional[str], max_body_bytes: int) -> None:
-    """The gate innermost, then the body bound, then the key check outermost (a request without the key is
-    refused before its body is read)."""
+def add_middleware(app: FastAPI, state: ServiceState, security: dict) -> None:
+    """The gate innermost, then the body bound, the key check (a request without the key is refused before
+    its body is read), and the headers outermost (on every answer). ``security``: ``api_key`` (None: no
+    key), ``max_body_bytes``, ``timeout_s`` (for a body to arrive)."""
     app.add_middleware(VersionGate, state=state)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
-    if api_key:
-        app.add_middleware(KeyCheck, key=api_key)
+    app.add_middleware(BodyLimit, limit=security["max_body_bytes"], timeout_s=security["timeout_s"])
+    if security.get("api_key"):
+        app.add_middleware(KeyCheck, key=security["api_key"])
+    app.add_middleware(VersionHeaders, state=state)
+
+
+def header_timeout_protocol(timeout_s: float):
+    """uvicorn's HTTP protocol class (httptools where installed, else h11) that closes a connection which
+    completes no request's headers for ``timeout_s`` while none of its requests is being served: a client
+    that connects and sends nothing, or trickles its headers (slow loris). uvicorn's own
+    ``timeout_keep_alive`` only starts after a response, and any byte received cancels it."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class HeaderTimeout(base):
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._watch(None)
+
+        def _watch(self, seen) -> None:
+            self.loop.call_later(timeout_s, self._check, seen)
+
+        def _check(self, seen) -> None:
+            if self.transport is None or self.transport.is_closing():
+                return
+            current = self.cycle  # uvicorn 0.55: a new cycle once a request's headers are in
+            if current is seen and (current is None or current.response_complete):
+                self.transport.close()
+                return
+            self._watch(current)
+
+    return HeaderTimeout
 
 
 # -- errors: the client's mistakes, named ---------------------------------------------------------------------

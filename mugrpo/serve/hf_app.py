@@ -16,11 +16,13 @@ Log-probs cross as JSON numbers (a float's shortest round-trip repr): they arriv
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
+import signal
+import sys
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -28,7 +30,7 @@ from fastapi.responses import JSONResponse, Response
 
 from mugrpo.faults import maybe_die
 from mugrpo.serve.common import (ServiceState, add_error_handlers, add_middleware, damaged_on_failure,
-                                 mugrpo_router, parse_body)
+                                 header_timeout_protocol, log, mugrpo_router, parse_body, url_of)
 from mugrpo.serve.protocol import CompletionRequest, Limits, request_problem
 from mugrpo.serve.weights import WeightsRefused, check_against, check_tensors, header_of_files, spec_of_parameters
 
@@ -43,16 +45,25 @@ class EngineThread:
 
     def __init__(self):
         self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
         threading.Thread(target=self._loop, name="mugrpo-engine", daemon=True).start()
 
     def _loop(self) -> None:
         while True:
             fn, future, loop = self._jobs.get()
+            self._idle.clear()
             try:
                 result, error = fn(), None
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting request
                 result, error = None, exc
+            finally:
+                self._idle.set()
             loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call runs (True), or ``timeout_s`` passed (False: a call is stuck)."""
+        return self._idle.wait(timeout_s)
 
     async def run(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -80,7 +91,7 @@ async def _watch_disconnect(receive, cancelled: threading.Event) -> None:
 
 
 def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: dict) -> FastAPI:
-    """The HF service's app. ``security``: ``api_key`` (None: no key) and ``max_body_bytes``."""
+    """The HF service's app (``security``: see :func:`mugrpo.serve.common.add_middleware`)."""
     from mugrpo.rollout.engines.base import SamplingConfig
 
     worker = EngineThread()
@@ -89,14 +100,10 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
     default_batch_size = engine.batch_size
     name = state.info["model"]
 
-    @asynccontextmanager
-    async def lifespan(_app):
-        yield
-        stopping.set()  # a stop (Ctrl-C, SIGTERM) ends the engine's call at its next decode step
-
-    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.stopping, app.state.worker = stopping, worker  # serve_hf's stop: see _Server
     add_error_handlers(app)
-    add_middleware(app, state, security.get("api_key"), security["max_body_bytes"])
+    add_middleware(app, state, security)
 
     async def load(files, version: int) -> None:
         check_against(header_of_files(files), spec)  # the headers: nothing read, nothing changed
@@ -157,21 +164,22 @@ def build_app(engine, tokenizer, state: ServiceState, limits: Limits, security: 
                                    max_new_tokens=ext.max_tokens if ext else None,
                                    first_chunk=ext.first_chunk if ext else 0)
 
-        state.request_taken()
         watcher = asyncio.create_task(_watch_disconnect(request.receive, cancelled))
         try:
             groups = await worker.run(work)
         except Cancelled:
             return Response(status_code=499)  # nobody is listening; the code is nginx's "client closed"
+        except Exception as exc:  # noqa: BLE001 - the engine failed (e.g. out of memory); the service stays up
+            log(f"/v1/completions failed: {type(exc).__name__}: {exc}")
+            return JSONResponse({"error": f"the engine failed: {type(exc).__name__}: {exc}"}, 500)
         finally:
-            state.request_done()
             watcher.cancel()
-        return _answer(groups, body, name, tokenizer)
+        return answer_of(groups, body, name, tokenizer)
 
     return app
 
 
-def _answer(groups, body: CompletionRequest, name: str, tokenizer) -> dict:
+def answer_of(groups, body: CompletionRequest, name: str, tokenizer) -> dict:
     """The OpenAI completions answer, choices prompt-major (index = prompt i * n + sample j), as vLLM's."""
     choices = []
     for group in groups:
@@ -197,8 +205,6 @@ def serve_hf(args, model_path: str, tokenizer, state: ServiceState, security: di
 
     from mugrpo.config.rollout_sections import RolloutConfig
     from mugrpo.rollout.engines import make_engine
-    from mugrpo.serve import url_of
-    from mugrpo.serve.common import log
 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 4096
     max_model_len = args.max_model_len or min(context, 4096)
@@ -208,7 +214,24 @@ def serve_hf(args, model_path: str, tokenizer, state: ServiceState, security: di
     limits = Limits(max_n=args.max_n, max_seqs=args.max_seqs, max_model_len=max_model_len)
     app = build_app(engine, tokenizer, state, limits, security)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024)
+                            timeout_graceful_shutdown=5, h11_max_incomplete_event_size=64 * 1024,
+                            http=header_timeout_protocol(args.header_timeout_s))
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.stopping.set()  # the engine's call in flight ends at its next decode step
+            super().handle_exit(sig, frame)
+
+    # uvicorn handles Ctrl-C / SIGTERM (a graceful stop), then raises the signal again under the handlers it
+    # found: with these, that ends nothing more and the command exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     log(f"listening on {url_of(sock)}")
-    uvicorn.Server(config).run(sockets=[sock])
+    _Server(config).run(sockets=[sock])
+    # torch aborts the process ("terminate called without an active exception") if it exits while a thread
+    # still computes: wait for the engine's call to end.
+    if not app.state.worker.wait_idle(30):
+        log("stopped; the engine was still busy after 30 s (a stuck call), so the process ends without cleanup")
+        sys.stderr.flush()
+        os._exit(1)
     log("stopped")
