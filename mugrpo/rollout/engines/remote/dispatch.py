@@ -75,16 +75,13 @@ class Service:
         return self.state == LIVE
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: two calls may hold chunks of the same range
 class Chunk:
     """Prompts ``start:stop`` of one call; ``failed_on``: the services it failed on so far."""
 
     start: int
     stop: int
     failed_on: list = field(default_factory=list)
-
-    def __hash__(self):
-        return id(self)
 
     def __str__(self):
         return f"{self.start}..{self.stop - 1}"
@@ -380,7 +377,7 @@ class Dispatcher:
         self._notify()
         if refusal is not None:
             raise refusal
-        if not any(s.alive for s in self.services):
+        if not any(s.state in (LIVE, BACK) for s in self.services):  # one that is BACK gets this version next
             raise self._no_service_left()
 
     async def await_version(self, version: int) -> None:
