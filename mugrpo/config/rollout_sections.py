@@ -227,8 +227,12 @@ class RemoteConfig:
     or more ``mugrpo serve`` services; read by :mod:`mugrpo.rollout.engines.remote` only; docs/SERVING.md)."""
 
     urls: list = field(default_factory=list, metadata=SAFE)
-    """The services, e.g. ``[http://127.0.0.1:8100, http://10.0.0.7:8100]``; each must answer at start.
-    A stage's prompts are split across them in contiguous parts. A resume may name other services."""
+    """The services, e.g. ``[http://127.0.0.1:8100, http://10.0.0.7:8100]``; each must answer at start,
+    all of one engine kind. A stage's prompts go to them in chunks, each to the next free service. A
+    resume may name other services."""
+    api_key: Optional[str] = field(default=None, metadata=SAFE)
+    """The services' key (their ``--api-key``), sent as ``Authorization: Bearer``. null: the environment
+    variable ``MUGRPO_API_KEY`` (prefer it: a key set here is written into the run's config.yaml)."""
     weights_dir: Optional[str] = field(default=None, metadata=SAFE)
     """A folder the trainer and every service can read: each weight sync writes one safetensors file
     there, which the services load. null: ``/dev/shm/mugrpo-weights`` where ``/dev/shm`` exists (one
@@ -244,6 +248,9 @@ class RemoteConfig:
     generate request is taken as stuck, though its server still answers: its requests go to another
     service, and it is not used again until it is idle. Raise it for a model whose prefill or single
     decode step takes minutes."""
+    max_in_flight: Optional[int] = field(default=None, metadata=SAFE)
+    """Requests in flight per service (>= 1). null: 2 per HF service (one generating, the next waiting
+    behind it), 64 per vLLM service (its continuous batching takes them together)."""
 
     def validate(self) -> None:
         check(isinstance(self.urls, list) and all(isinstance(u, str) and u.startswith(("http://", "https://"))
@@ -255,6 +262,12 @@ class RemoteConfig:
               self.retries)
         check(0 < self.stall_timeout_s < math.inf, "rollout.remote.stall_timeout_s", "a finite number of seconds > 0",
               self.stall_timeout_s)
+        check(self.api_key is None or (isinstance(self.api_key, str) and self.api_key.strip() == self.api_key
+                                       and self.api_key != ""), "rollout.remote.api_key",
+              "null (the environment variable MUGRPO_API_KEY) or a non-empty string without surrounding spaces",
+              "<hidden>" if isinstance(self.api_key, str) else self.api_key)
+        check(self.max_in_flight is None or (type(self.max_in_flight) is int and self.max_in_flight >= 1),
+              "rollout.remote.max_in_flight", "null or an integer >= 1", self.max_in_flight)
 
 
 @dataclass

@@ -129,7 +129,8 @@ def test_resume_safe_keys_come_from_field_metadata():
                          "parallel.timeout_s", "env.max_workers", "warmstart.checkpoint_every", "eval.", "log.",
                          # the services a remote run generates with may change (e.g. after a crash)
                          "rollout.remote.urls", "rollout.remote.weights_dir", "rollout.remote.timeout_s",
-                         "rollout.remote.retries", "rollout.remote.stall_timeout_s"}
+                         "rollout.remote.retries", "rollout.remote.stall_timeout_s", "rollout.remote.api_key",
+                         "rollout.remote.max_in_flight"}
 
 
 def test_resume_refuses_a_vllm_section_change():

@@ -2,9 +2,7 @@
 .venv-vllm): multi-turn trajectories with a tool environment (its tool's answers go back as ``role: tool``
 messages), the weights reaching both services at every sync (their reported version, and the
 engine-vs-trainer log-prob match at each stage's first update)."""
-import json
-import urllib.request
-
+import httpx
 import pytest
 from rollout_services import service_env, serving
 
@@ -31,9 +29,9 @@ def test_training_with_a_tool_environment_through_two_vllm_services(tmp_path):
                      "eval.num_items=0", "task.env=multiturn_envs:CallsAdd", "task.max_prompt_tokens=900"]
         train(load_config(overrides=overrides), tmp_path / "run")
         # One sync per stage: both services hold version 2, this run's last file.
-        infos = [json.loads(urllib.request.urlopen(s.url + "/info").read()) for s in (a, b)]
+        infos = [httpx.get(s.url + "/info").json() for s in (a, b)]
         assert [i["weights_version"] for i in infos] == [2, 2]
-        assert infos[0]["weights_path"] == infos[1]["weights_path"]
+        assert infos[0]["weights_file"] == infos[1]["weights_file"]
     stages = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "stage"]
     assert len(stages) == 2 and all(s["env/num_env_tokens"] > 0 and s["env/tool_calls/add"] > 0 for s in stages)
     assert all(s["env/tool_success_frac"] == 1.0 for s in stages)  # every call answered by the tool runner
