@@ -27,6 +27,8 @@ class HashEngine:
         if concurrent:
             self.concurrent = True  # in-process engines have no such attribute: the loop treats it as False
         self.delay_s, self.calls, self.max_in_flight = delay_s, [], 0
+        self.raised: list[BaseException] = []
+        """What calls ended by (e.g. a stop raised from ``progress`` mid-call)."""
         self._in_flight, self._lock = 0, threading.Lock()
 
     def generate(self, prompts, sampling, progress=None, max_new_tokens=None):
@@ -43,6 +45,9 @@ class HashEngine:
                 time.sleep(min(0.01, max(0.0, end - time.monotonic())))
             caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
             return [[self._sample(p, sampling.seed, j, cap) for j in range(sampling.n)] for p, cap in zip(prompts, caps)]
+        except BaseException as exc:
+            self.raised.append(exc)
+            raise
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -82,7 +87,7 @@ class Counting(Environment):
 
     def __init__(self, latency=(0.0, 0.0), calls=None):
         self.latency, self.n = latency, 0
-        self.calls = calls  # a list shared by a stage's environments: (start, end) of every step
+        self.calls = calls  # a list shared by a stage's environments: (env, start, end) of every step
 
     def step(self, action):
         start = time.monotonic()
@@ -90,7 +95,7 @@ class Counting(Environment):
         self.n += 1
         words = action.split()
         if self.calls is not None:
-            self.calls.append((start, time.monotonic()))
+            self.calls.append((self, start, time.monotonic()))
         if "5" in words:
             return StepResult([], reward=len(words) / 10, done=True, metadata={"steps": 1.0})
         return StepResult([{"role": "user", "content": "x" * (1 + len(words) % 4)}], reward=len(words) / 10,
