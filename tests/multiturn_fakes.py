@@ -100,3 +100,33 @@ class Counting(Environment):
             return StepResult([], reward=len(words) / 10, done=True, metadata={"steps": 1.0})
         return StepResult([{"role": "user", "content": "x" * (1 + len(words) % 4)}], reward=len(words) / 10,
                           metadata={"steps": 1.0})
+
+
+class ConcurrentHF:
+    """The in-process HF engine offered to concurrent callers, answering one call at a time (what an HF
+    service does), so that the loop runs independent trajectories on it. Registered by the tests that train
+    with it as ``rollout.engine=hf-concurrent`` (:data:`LAUNCH`)."""
+
+    concurrent = True
+
+    def __init__(self, model_path, tokenizer, rollout_cfg, seed: int = 0):
+        from mugrpo.rollout.engines.hf import HFEngine
+
+        self.engine, self.lock = HFEngine(model_path, tokenizer, rollout_cfg, seed=seed), threading.Lock()
+
+    def generate(self, *args, **kwargs):
+        with self.lock:
+            return self.engine.generate(*args, **kwargs)
+
+    def load_weights(self, named_tensors):
+        with self.lock:
+            self.engine.load_weights(named_tensors)
+
+    def __getattr__(self, name):  # sleep, wake, close, eos: the HF engine's
+        return getattr(self.engine, name)
+
+
+LAUNCH = ("import sys; from mugrpo.rollout.engines import ENGINES; "
+          "ENGINES.register('hf-concurrent', 'multiturn_fakes:ConcurrentHF'); "
+          "from mugrpo.cli import main; sys.exit(main(sys.argv[1:]))")
+"""``python -c LAUNCH train ...``: the CLI with ``rollout.engine=hf-concurrent`` registered."""

@@ -255,13 +255,23 @@ def _trajectory_rows(cfg: Config, resolved=None) -> list[tuple[str, str]]:
     engine = resolved.engine if resolved is not None else cfg.rollout.engine
     if cfg.env.lockstep:
         how = "lock-step (env.lockstep=true: each turn of every trajectory in one engine call, then every step)"
-    elif engine == "remote":
+    elif _serves_concurrent_calls(engine):
         how = (f"independent (each sends its next turn when its environment step returns; at most "
                f"{cfg.env.max_inflight} requests in flight, env.max_inflight)")
     else:
-        how = (f"lock-step: the in-process engine (rollout.engine={engine}) serves one call at a time, so "
-               "env.lockstep=false applies only with rollout.engine=remote")
+        how = (f"lock-step: rollout.engine={engine} serves one call at a time (in the trainer's process), so "
+               "env.lockstep=false has no effect; a remote engine runs independent trajectories")
     return [("multi-turn trajectories", how)]
+
+
+def _serves_concurrent_calls(engine: str) -> bool:
+    """The engine class's ``concurrent`` (imported only for a multi-turn task on an engine other than the
+    in-process ones)."""
+    if engine in ("auto", "hf", "vllm"):
+        return False
+    from mugrpo.rollout.engines import ENGINES
+
+    return getattr(ENGINES.get(engine), "concurrent", False) is True
 
 
 def _async_row(plan: Plan) -> tuple[str, str]:

@@ -4,6 +4,7 @@ import pytest
 from mugrpo.config import load_config
 from mugrpo.config.plan import format_plan, make_plan
 from mugrpo.errors import ConfigError
+from mugrpo.rollout.engines import ENGINES
 
 TOOLS = ["task.tools=[multiturn_envs:add]"]
 
@@ -14,12 +15,15 @@ def _row(*overrides) -> str:
     return lines[0] if lines else ""
 
 
-def test_the_plan_says_lockstep_on_an_in_process_engine_and_independent_on_a_remote_one():
+def test_the_plan_says_lockstep_on_an_in_process_engine_and_independent_on_a_concurrent_one():
     assert _row() == ""  # single-turn: no such row
-    assert "lock-step: the in-process engine (rollout.engine=hf)" in _row(*TOOLS, "rollout.engine=hf")
-    remote = [*TOOLS, "rollout.engine=remote", "rollout.remote.urls=[http://127.0.0.1:9]"]
-    assert "independent" in _row(*remote) and "at most 64 requests in flight" in _row(*remote)
-    assert "env.lockstep=true" in _row(*remote, "env.lockstep=true")
+    assert "lock-step: rollout.engine=hf serves one call at a time" in _row(*TOOLS, "rollout.engine=hf")
+    if "hf-concurrent" not in ENGINES:
+        ENGINES.register("hf-concurrent", "multiturn_fakes:ConcurrentHF")
+    concurrent = [*TOOLS, "rollout.engine=hf-concurrent"]
+    assert "independent" in _row(*concurrent) and "at most 64 requests in flight" in _row(*concurrent)
+    assert "at most 5 requests" in _row(*concurrent, "env.max_inflight=5")
+    assert "lock-step (env.lockstep=true" in _row(*concurrent, "env.lockstep=true")
 
 
 @pytest.mark.parametrize("override, key", [("env.max_inflight=0", "env.max_inflight"),
