@@ -1,7 +1,8 @@
 """Independent trajectories end to end against one ``mugrpo serve --engine hf`` service (a subprocess, the tiny
 model): two runs give the same trajectories although random step latencies make them finish in different
 orders, and the same as the in-process HF engine answering one call at a time (what an HF service does);
-tools and generation overlap; ``env.lockstep=true`` gives the lock-step loop's trajectories."""
+tools and generation overlap; ``env.lockstep=true`` gives the lock-step loop's trajectories. A training run
+through the service with independent trajectories equals the in-process one, stage for stage."""
 import random
 import threading
 import time
@@ -12,7 +13,9 @@ from rollout_services import serving
 
 from mugrpo.config import load_config
 from mugrpo.models.loading import load_tokenizer
-from mugrpo.rollout.engines import SamplingConfig, make_engine
+from mugrpo.observability.loggers import read_metrics
+from mugrpo.rollout.engines import ENGINES, SamplingConfig, make_engine
+from mugrpo.rollout.engines.remote import RemoteEngine
 from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.rollout.multiturn import LoopContext, LoopLimits, loop_metrics, run_trajectories
 
@@ -98,3 +101,26 @@ def test_independent_trajectories_through_an_hf_service_are_reproducible_and_bit
     finally:
         torch.set_num_threads(threads)
     remote.close()
+
+
+class ConcurrentRemote(RemoteEngine):
+    """The remote engine offered to concurrent callers: today's takes them in turn under its lock (thread-safe);
+    the client on httpx sends them concurrently and says so itself."""
+
+    concurrent = True
+
+
+@pytest.mark.slow  # two short training runs
+def test_a_remote_run_with_independent_trajectories_equals_the_in_process_one(tmp_path, tiny_model_dir, svc):
+    from rollout.test_remote_train import _assert_same_run, _run
+
+    for name, target in (("hf-concurrent", "multiturn_fakes:ConcurrentHF"), ("remote-concurrent", ConcurrentRemote)):
+        if name not in ENGINES:
+            ENGINES.register(name, target)
+    env = ["task.env=multiturn_envs:SlowTryAgain", "rollout.max_new_tokens=16", "env.max_turns=3"]
+    ref = _run(tmp_path / "hf", tiny_model_dir, "rollout.engine=hf-concurrent", *env)
+    got = _run(tmp_path / "remote", tiny_model_dir, "rollout.engine=remote-concurrent", f"rollout.remote.urls=[{svc.url}]",
+               "rollout.remote.timeout_s=5", *env)
+    _assert_same_run(ref, got)
+    stages = [r for r in read_metrics(got / "metrics.jsonl") if r["kind"] == "stage"]
+    assert sum(r["perf/num_overlapped_steps"] for r in stages) >= 1  # the trajectories were independent
