@@ -44,7 +44,8 @@ class HashEngine:
                     progress(0)
                 time.sleep(min(0.01, max(0.0, end - time.monotonic())))
             caps = max_new_tokens or [sampling.max_new_tokens] * len(prompts)
-            return [[self._sample(p, sampling.seed, j, cap) for j in range(sampling.n)] for p, cap in zip(prompts, caps)]
+            return [[self._sample(p, sampling.seed, j, cap) for j in range(sampling.n)]
+                    for p, cap in zip(prompts, caps)]
         except BaseException as exc:
             self.raised.append(exc)
             raise

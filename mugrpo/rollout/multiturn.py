@@ -2,10 +2,13 @@
 
 A trajectory is the prompt, then policy turns (sampled by the engine) alternating with
 environment turns (the messages ``env.step`` returns, tokenized once by the caller's renderer and
-appended). Every turn, all active trajectories go to the engine in ONE ``generate`` call: the first
-turn with n = G per prompt (each prompt prefilled once), later turns with each trajectory's ids
-so far as its own prompt (n = 1; vLLM's prefix cache reuses their KV). Then the environment steps
-of the trajectories that finished their policy turn run concurrently (:mod:`mugrpo.rollout.calls`).
+appended). Lock-step (here; ``env.lockstep``, and always on an in-process engine): every turn, all
+active trajectories go to the engine in ONE ``generate`` call: the first turn with n = G per prompt
+(each prompt prefilled once), later turns with each trajectory's ids so far as its own prompt (n = 1;
+vLLM's prefix cache reuses their KV). Then the environment steps of the trajectories that finished
+their policy turn run concurrently (:mod:`mugrpo.rollout.calls`). On an engine that serves concurrent
+calls each trajectory advances on its own instead (:mod:`mugrpo.rollout.trajectories`), through the
+same per-trajectory steps defined here (:func:`take_policy_turn`, :func:`settle_step`).
 
 Token exactness (TRL's ``_tool_call_loop`` rule): the engine's sampled ids and behaviour log-probs
 are appended exactly as returned; an environment turn is appended as the renderer's ids with

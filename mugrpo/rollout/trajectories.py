@@ -213,9 +213,10 @@ class _Loop:
             while ready or self.in_flight or self.stepping:
                 while ready and self.in_flight < self.limits.max_inflight:
                     self._send(ready.popleft())
-                if progress is not None and time.monotonic() - last_beat >= HEARTBEAT_S:
-                    progress(0)
+                if time.monotonic() - last_beat >= HEARTBEAT_S:
                     last_beat = time.monotonic()
+                    if progress is not None:
+                        progress(0)
                 try:
                     event = self.events.get(timeout=max(0.0, last_beat + HEARTBEAT_S - time.monotonic()))
                 except queue.Empty:

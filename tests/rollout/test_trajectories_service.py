@@ -119,8 +119,8 @@ def test_a_remote_run_with_independent_trajectories_equals_the_in_process_one(tm
             ENGINES.register(name, target)
     env = ["task.env=multiturn_envs:SlowTryAgain", "rollout.max_new_tokens=16", "env.max_turns=3"]
     ref = _run(tmp_path / "hf", tiny_model_dir, "rollout.engine=hf-concurrent", *env)
-    got = _run(tmp_path / "remote", tiny_model_dir, "rollout.engine=remote-concurrent", f"rollout.remote.urls=[{svc.url}]",
-               "rollout.remote.timeout_s=5", *env)
+    got = _run(tmp_path / "remote", tiny_model_dir, "rollout.engine=remote-concurrent",
+               f"rollout.remote.urls=[{svc.url}]", "rollout.remote.timeout_s=5", *env)
     _assert_same_run(ref, got)
     stages = [r for r in read_metrics(got / "metrics.jsonl") if r["kind"] == "stage"]
     assert sum(r["perf/num_overlapped_steps"] for r in stages) >= 1  # the trajectories were independent
