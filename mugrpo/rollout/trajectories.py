@@ -169,9 +169,9 @@ class _Loop:
                        turn_cap(t, self.sampling, self.limits))
 
     def _send(self, request: Request) -> None:
-        self.in_flight += 1
         self.occupancy.request_started()
-        threading.Thread(target=self._generate, args=(request,), daemon=True, name="mugrpo-turn").start()
+        _start(self._generate, request, "mugrpo-turn", self.occupancy.request_ended)
+        self.in_flight += 1
 
     def _generate(self, request: Request) -> None:
         try:
@@ -191,10 +191,10 @@ class _Loop:
     # -- environment steps ------------------------------------------------------------------------------
 
     def _step(self, i: int) -> None:
+        self.occupancy.step_started(i)
+        _start(self._run_step, i, "mugrpo-step", lambda: self.occupancy.step_ended(i))
         self.stepping += 1
         self.num_steps += 1
-        self.occupancy.step_started(i)
-        threading.Thread(target=self._run_step, args=(i,), daemon=True, name="mugrpo-step").start()
 
     def _run_step(self, i: int) -> None:
         try:
@@ -270,3 +270,13 @@ class _Loop:
                 self.in_flight -= 1
             else:
                 self.stepping -= 1
+
+
+def _start(target: Callable, arg, name: str, undo: Callable[[], object]) -> None:
+    """Run ``target(arg)`` on a daemon thread; if the thread cannot start, ``undo`` and raise (nothing was
+    put in flight, so the loop's drain does not wait for it)."""
+    try:
+        threading.Thread(target=target, args=(arg,), daemon=True, name=name).start()
+    except BaseException:
+        undo()
+        raise
