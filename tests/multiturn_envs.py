@@ -37,3 +37,15 @@ class CallsAdd(ToolEnvironment):
     def step(self, action):
         self.n += 1
         return super().step(self.CALL if self.n == 1 else action)
+
+
+class SlowTryAgain(TryAgain):
+    """TryAgain whose steps take a random 0..20 ms (an unseeded stream): trajectories finish in another order
+    every run, while what they contain must not change."""
+
+    def step(self, action):
+        import random
+        import time
+
+        time.sleep(random.uniform(0.0, 0.02))
+        return super().step(action)

@@ -130,6 +130,7 @@ def format_plan(plan: Plan, cfg: Config, resolved=None) -> str:
             plan.prompts_per_stage, plan.prompts_per_update, plan.updates_per_stage), plan.group_size,
             cfg.rollout.dynamic_oversample, cfg.rollout.dynamic_max_rounds, plan.world_size),
         ("shared-prefix forward", "on" if cfg.train.shared_prefix else "off"),
+        *_trajectory_rows(cfg, resolved),
     ]
     if resolved is not None:
         rows += [
@@ -243,6 +244,34 @@ def _stage_rows(plan: Plan, cfg: Config) -> list[tuple[str, object]]:
             ("stage ends early when", f"{guard} after an update"),
             ("total updates (U)", f"{plan.total_updates} (the budget, whatever the number of stages)"),
             ("weight syncs", f"one per stage: {between}")]
+
+
+def _trajectory_rows(cfg: Config, resolved=None) -> list[tuple[str, str]]:
+    """How multi-turn trajectories advance (a task with ``task.env`` or ``task.tools``; none otherwise):
+    independently only on an engine that serves concurrent calls (the remote engine) without
+    ``env.lockstep`` (:mod:`mugrpo.rollout.trajectories`)."""
+    if not (cfg.task.env or cfg.task.tools):
+        return []
+    engine = resolved.engine if resolved is not None else cfg.rollout.engine
+    if cfg.env.lockstep:
+        how = "lock-step (env.lockstep=true: each turn of every trajectory in one engine call, then every step)"
+    elif _serves_concurrent_calls(engine):
+        how = (f"independent (each sends its next turn when its environment step returns; at most "
+               f"{cfg.env.max_inflight} requests in flight, env.max_inflight)")
+    else:
+        how = (f"lock-step: rollout.engine={engine} serves one call at a time (in the trainer's process), so "
+               "env.lockstep=false has no effect; a remote engine runs independent trajectories")
+    return [("multi-turn trajectories", how)]
+
+
+def _serves_concurrent_calls(engine: str) -> bool:
+    """The engine class's ``concurrent`` (imported only for a multi-turn task on an engine other than the
+    in-process ones)."""
+    if engine in ("auto", "hf", "vllm"):
+        return False
+    from mugrpo.rollout.engines import ENGINES
+
+    return getattr(ENGINES.get(engine), "concurrent", False) is True
 
 
 def _async_row(plan: Plan) -> tuple[str, str]:

@@ -380,7 +380,24 @@ class EnvConfig:
     instead of raising); the model reads the string unchanged. null: only a raise (or a timeout, a bad
     call) is a failure."""
 
+    lockstep: bool = False
+    """Run a stage's trajectories turn by turn: every active trajectory's next turn in one engine call,
+    then every environment step, then the next turn (the loop before independent trajectories). false (the
+    default): each trajectory sends its next turn as soon as its environment step returns, so tools and
+    generation overlap across trajectories; used only when the engine serves concurrent calls
+    (``rollout.engine=remote``). An in-process engine (hf, vllm) serves one call at a time: there the loop
+    is lock-step whatever this says. The two modes seed their requests differently, so they give different
+    (equally valid) samples; each is reproducible (docs/MULTITURN.md)."""
+    max_inflight: int = field(default=64, metadata=SAFE)
+    """Independent trajectories: generation requests in flight at once, at most (a first turn is one request
+    of G sequences per group, a later turn one of 1). Results do not depend on it: each request is seeded by
+    its position (group or trajectory, turn), and an HF service answers each request on its own (vLLM's
+    batching is never bitwise; docs/MULTITURN.md)."""
+
     def validate(self) -> None:
+        check(isinstance(self.lockstep, bool), "env.lockstep", "true or false", self.lockstep)
+        check(isinstance(self.max_inflight, int) and not isinstance(self.max_inflight, bool)
+              and self.max_inflight >= 1, "env.max_inflight", "an integer >= 1", self.max_inflight)
         check(1 <= self.max_turns <= 127, "env.max_turns", "1..127 (turns are stored as int8)", self.max_turns)
         check(0 < self.tool_timeout_s < math.inf, "env.tool_timeout_s", "a finite number of seconds > 0",
                self.tool_timeout_s)

@@ -2,10 +2,13 @@
 
 A trajectory is the prompt, then policy turns (sampled by the engine) alternating with
 environment turns (the messages ``env.step`` returns, tokenized once by the caller's renderer and
-appended). Every turn, all active trajectories go to the engine in ONE ``generate`` call: the first
-turn with n = G per prompt (each prompt prefilled once), later turns with each trajectory's ids
-so far as its own prompt (n = 1; vLLM's prefix cache reuses their KV). Then the environment steps
-of the trajectories that finished their policy turn run concurrently (:mod:`mugrpo.rollout.calls`).
+appended). Lock-step (here; ``env.lockstep``, and always on an in-process engine): every turn, all
+active trajectories go to the engine in ONE ``generate`` call: the first turn with n = G per prompt
+(each prompt prefilled once), later turns with each trajectory's ids so far as its own prompt (n = 1;
+vLLM's prefix cache reuses their KV). Then the environment steps of the trajectories that finished
+their policy turn run concurrently (:mod:`mugrpo.rollout.calls`). On an engine that serves concurrent
+calls each trajectory advances on its own instead (:mod:`mugrpo.rollout.trajectories`), through the
+same per-trajectory steps defined here (:func:`take_policy_turn`, :func:`settle_step`).
 
 Token exactness (TRL's ``_tool_call_loop`` rule): the engine's sampled ids and behaviour log-probs
 are appended exactly as returned; an environment turn is appended as the renderer's ids with
@@ -49,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mugrpo.faults import maybe_die
-from mugrpo.rollout.calls import run_calls
+from mugrpo.rollout.calls import CallResult, run_calls
 from mugrpo.rollout.engines.base import Completion, SamplingConfig
 from mugrpo.rollout.envs.base import EnvFactory, Environment, StepResult
 from mugrpo.seeds import derive
@@ -88,26 +91,33 @@ class LoopLimits:
     """An environment message longer than this is cut to it before it is rendered (counted)."""
     max_tokens_per_turn: Optional[int] = None
     """New tokens of one policy turn at most; None = the sampling's ``max_new_tokens``."""
+    lockstep: bool = False
+    """Turn by turn even on an engine that serves concurrent calls (``env.lockstep``)."""
+    max_inflight: int = 64
+    """Independent trajectories: generation requests in flight at once, at most (``env.max_inflight``)."""
 
     @classmethod
     def from_config(cls, env_cfg, max_response_tokens: int, max_context: Optional[int] = None) -> "LoopLimits":
         """The limits a run's ``env`` config section sets (``env.max_turns``, ``env.step_timeout_s``,
         ``env.max_workers``, ``env.reset_timeout_s``, ``env.max_observation_chars``,
-        ``env.max_tokens_per_turn``), with the trajectory's token budget and the model's context."""
+        ``env.max_tokens_per_turn``, ``env.lockstep``, ``env.max_inflight``), with the trajectory's token
+        budget and the model's context."""
         return cls(max_turns=env_cfg.max_turns, max_response_tokens=max_response_tokens, max_context=max_context,
                    step_timeout_s=env_cfg.step_timeout_s, max_workers=env_cfg.max_workers,
                    reset_timeout_s=env_cfg.reset_timeout_s, max_observation_chars=env_cfg.max_observation_chars,
-                   max_tokens_per_turn=env_cfg.max_tokens_per_turn)
+                   max_tokens_per_turn=env_cfg.max_tokens_per_turn, lockstep=env_cfg.lockstep,
+                   max_inflight=env_cfg.max_inflight)
 
     def __post_init__(self):
         if not 1 <= self.max_turns <= MAX_TURNS:
             raise ValueError(f"max_turns must be in 1..{MAX_TURNS} (turns are stored as int8), got {self.max_turns}")
         if (self.max_response_tokens < 1 or self.step_timeout_s <= 0 or self.max_workers < 1
                 or self.reset_timeout_s <= 0 or self.max_observation_chars < 1
-                or (self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1)):
+                or (self.max_tokens_per_turn is not None and self.max_tokens_per_turn < 1)
+                or self.max_inflight < 1):
             raise ValueError(f"invalid loop limits {self}: need max_response_tokens >= 1, step_timeout_s > 0, "
                              "max_workers >= 1, reset_timeout_s > 0, max_observation_chars >= 1, "
-                             "max_tokens_per_turn None or >= 1")
+                             "max_tokens_per_turn None or >= 1, max_inflight >= 1")
 
 
 @dataclass
@@ -189,6 +199,13 @@ class LoopContext:
             return list(self.eos)
         return list(getattr(self.engine, "eos", [self.tokenizer.eos_token_id]))
 
+    @property
+    def independent(self) -> bool:
+        """Do trajectories advance on their own? Only on an engine that serves concurrent calls
+        (``engine.concurrent``: the remote engine; an in-process engine serves one call at a time and has
+        no such attribute) and without ``limits.lockstep``."""
+        return getattr(self.engine, "concurrent", False) is True and not self.limits.lockstep
+
 
 def roll_out_items(ctx: LoopContext, factory: EnvFactory, items: list, sampling: SamplingConfig, *,
                    reset_seed: int, select: Optional[Callable[[list[list[int]]], list[int]]] = None,
@@ -231,7 +248,10 @@ def run_trajectories(ctx: LoopContext, prompts: list[list[int]], envs: list[Envi
     """Roll out ``len(envs) // len(prompts)`` = G trajectories per prompt (``envs`` group-major, reset).
 
     ``sampling.n`` is ignored (G comes from ``envs``); ``sampling.max_new_tokens`` caps one policy
-    turn; the stop strings are the environments' (all must share them).
+    turn; the stop strings are the environments' (all must share them). Independent trajectories
+    (:mod:`mugrpo.rollout.trajectories`) when ``ctx.independent``, else lock-step. ``progress(n)`` is
+    called with the trajectories just ended, and with 0 as a heartbeat; an exception raised from it stops
+    the loop (requests in flight are stopped, steps in flight waited for) and propagates.
     """
     limits = ctx.limits
     G = len(envs) // max(len(prompts), 1)
@@ -245,21 +265,45 @@ def run_trajectories(ctx: LoopContext, prompts: list[list[int]], envs: list[Envi
         if t.max_turns < 1:
             raise ValueError(f"environment {type(t.env).__name__} has max_turns={t.env.max_turns}; need >= 1")
     sampling = dataclasses.replace(sampling, stop=_shared_stop(envs))
-    eos = ctx.eos_ids()
-    turn = 0
+    t0 = time.perf_counter()
+    if ctx.independent:
+        from mugrpo.rollout.trajectories import run_independent
+
+        busy_s = run_independent(ctx, trajs, G, sampling, progress)
+    else:
+        busy_s = _run_lockstep(ctx, trajs, G, sampling, progress)
+    share_out(trajs, "engine_busy_s", busy_s)
+    share_out(trajs, "loop_s", time.perf_counter() - t0)
+    _close_all(trajs, limits)
+    return trajs
+
+
+def _run_lockstep(ctx: LoopContext, trajs: list[Trajectory], G: int, sampling: SamplingConfig,
+                  progress: Optional[Callable[[int], None]]) -> float:
+    """Turn by turn: every active trajectory's turn in one engine call, then every environment step. Returns
+    the seconds the engine worked (inside ``generate``)."""
+    eos, turn, busy_s = ctx.eos_ids(), 0, 0.0
     # Inside a turn the engine's own calls are heartbeats only (progress(0)): the caller may stop there.
     beat = None if progress is None else (lambda n: progress(0))
     while any(t.active for t in trajs):
         active = [t for t in trajs if t.active]
-        completions = _policy_turn(ctx.engine, active, sampling, limits, turn, G if turn == 0 else 1, beat)
-        stepping = [t for t, c in zip(active, completions) if _take_policy_turn(t, c, turn, ctx.text)]
+        t_gen = time.perf_counter()
+        completions = _policy_turn(ctx.engine, active, sampling, ctx.limits, turn, G if turn == 0 else 1, beat)
+        busy_s += time.perf_counter() - t_gen
+        stepping = [t for t, c in zip(active, completions) if take_policy_turn(t, c, turn, ctx.text)]
         maybe_die("turn")
-        _environment_turn(stepping, limits, ctx.env_turn_ids, eos)
+        _environment_turn(stepping, ctx.limits, ctx.env_turn_ids, eos)
         if progress is not None:
             progress(sum(1 for t in active if not t.active))
         turn += 1
-    _close_all(trajs, limits)
-    return trajs
+    return busy_s
+
+
+def share_out(trajs: list[Trajectory], key: str, seconds: float) -> None:
+    """Add ``seconds`` of the loop's wall clock to ``metadata[key]``, shared out evenly over ``trajs``: the
+    trajectories' sum (what :func:`loop_counts` reports) is the loop's figure."""
+    for t in trajs:
+        t.metadata[key] = t.metadata.get(key, 0.0) + seconds / max(len(trajs), 1)
 
 
 def _shared_stop(envs: list[Environment]) -> tuple[str, ...]:
@@ -269,6 +313,13 @@ def _shared_stop(envs: list[Environment]) -> tuple[str, ...]:
     return stops.pop()
 
 
+def turn_cap(t: Trajectory, sampling: SamplingConfig, limits: LoopLimits) -> int:
+    """New tokens ``t``'s next policy turn may take: the turn's limit, within the trajectory's room."""
+    per_turn = sampling.max_new_tokens if limits.max_tokens_per_turn is None else min(
+        sampling.max_new_tokens, limits.max_tokens_per_turn)
+    return min(per_turn, t.room(limits))
+
+
 def _policy_turn(engine, active: list[Trajectory], sampling: SamplingConfig, limits: LoopLimits, turn: int,
                  n: int, beat=None) -> list[Completion]:
     """One engine call for every active trajectory; turn 0 samples n = G per prompt. ``beat``: the
@@ -276,15 +327,13 @@ def _policy_turn(engine, active: list[Trajectory], sampling: SamplingConfig, lim
     seed = derive(sampling.seed, "multiturn-turn", turn)
     per_turn = dataclasses.replace(sampling, n=n, seed=seed)
     heads = active[::n]  # turn 0: the first trajectory of each group; later: all (n = 1)
-    per_turn_cap = sampling.max_new_tokens if limits.max_tokens_per_turn is None else min(
-        sampling.max_new_tokens, limits.max_tokens_per_turn)
-    caps = [min(per_turn_cap, t.room(limits)) for t in heads]
+    caps = [turn_cap(t, sampling, limits) for t in heads]
     prompts = [t.prompt_ids + t.response_ids for t in heads]
     out = engine.generate(prompts, per_turn, progress=beat, max_new_tokens=caps)
     return [c for group in out for c in group]
 
 
-def _take_policy_turn(t: Trajectory, c: Completion, turn: int, decode) -> bool:
+def take_policy_turn(t: Trajectory, c: Completion, turn: int, decode) -> bool:
     """Append the sampled turn exactly; True when the trajectory goes on to an environment step."""
     t.append(list(c.token_ids), list(c.behavior_logprobs), turn)
     t.num_turns += 1
@@ -296,28 +345,36 @@ def _take_policy_turn(t: Trajectory, c: Completion, turn: int, decode) -> bool:
     return True
 
 
+def step_call(t: Trajectory) -> Callable[[], Any]:
+    """The call that steps ``t``'s environment on its last policy turn (for a :class:`CallRunner`)."""
+    def call():
+        maybe_die("env_step")  # a kill point inside a tool call, for the resume tests
+        return t.env.step(t.final_text)
+    return call
+
+
 def _environment_turn(stepping: list[Trajectory], limits: LoopLimits, render: EnvTurnRenderer, eos: list[int]) -> None:
     """Step every environment concurrently, then append each environment turn or end the trajectory."""
-    def step(t: Trajectory):
-        def call():
-            maybe_die("env_step")  # a kill point inside a tool call, for the resume tests
-            return t.env.step(t.final_text)
-        return call
-
     t0 = time.perf_counter()
-    results = run_calls([step(t) for t in stepping], limits.max_workers, limits.step_timeout_s)
+    results = run_calls([step_call(t) for t in stepping], limits.max_workers, limits.step_timeout_s)
     waited = (time.perf_counter() - t0) / max(len(stepping), 1)
     for t in stepping:  # the turn's wall-clock wait, shared out: the trajectories' sum is the loop's wait
         t.metadata["step_wait_s"] = t.metadata.get("step_wait_s", 0.0) + waited
     for t, r in zip(stepping, results):
-        if r.timed_out:
-            _end(t, "env_timeout", f"env.step ran past {limits.step_timeout_s:g} s")
-        elif r.error is not None:
-            _end(t, "env_error", r.error)
-        elif (problem := _invalid_step(r.value)) is not None:
-            _end(t, "env_bad_output", problem)
-        else:
-            _apply_step(t, r.value, limits, render, ended_on_eos=bool(t.last_turn_ids) and t.last_turn_ids[-1] in eos)
+        settle_step(t, r, limits, render, eos)
+
+
+def settle_step(t: Trajectory, r: CallResult, limits: LoopLimits, render: EnvTurnRenderer, eos: list[int]) -> None:
+    """Take one environment step's outcome: append its environment turn, or end the trajectory (done, a
+    limit, or the step's failure)."""
+    if r.timed_out:
+        _end(t, "env_timeout", f"env.step ran past {limits.step_timeout_s:g} s")
+    elif r.error is not None:
+        _end(t, "env_error", r.error)
+    elif (problem := _invalid_step(r.value)) is not None:
+        _end(t, "env_bad_output", problem)
+    else:
+        _apply_step(t, r.value, limits, render, ended_on_eos=bool(t.last_turn_ids) and t.last_turn_ids[-1] in eos)
 
 
 def _apply_step(t: Trajectory, result: StepResult, limits: LoopLimits, render: EnvTurnRenderer,
@@ -445,7 +502,7 @@ def loop_counts(trajs: list[Trajectory]) -> dict[str, float]:
         "env/num_policy_tokens": float(num_policy),
         "env/num_env_tokens": float(sum(len(t.turns) for t in trajs) - num_policy),
     })
-    keys = sorted({k for t in trajs for k in t.metadata})
+    keys = sorted({k for t in trajs for k in t.metadata} | (set(LOOP_KEYS) if trajs else set()))
     if trajs and any(_is_tool_env(t.env) for t in trajs):  # tool counts present as 0 when no step was reached
         from mugrpo.rollout.envs.tools import COUNT_KEYS
 
@@ -462,6 +519,11 @@ def _is_tool_env(env) -> bool:
     return isinstance(env, ToolEnvironment)
 
 
+LOOP_KEYS = ("engine_busy_s", "loop_s", "num_overlapped_steps")
+"""The loop's own measurements, kept in every trajectory's ``metadata`` beside the environment's numbers
+(shared out: their sums are the loop's), and reported under ``perf/`` by :func:`finalize_counts`."""
+
+
 def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
     """The logged metrics from (rank-summed) :func:`loop_counts`: sums become means where a mean is meant.
 
@@ -469,7 +531,12 @@ def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
     ``env/tool_success_frac`` (calls answered without an error / calls; NaN without a call); the
     counts per tool are ``env/tool_calls/<name>`` and ``env/tool_errors/<name>``; ``perf/tool_wait_s``:
     the wall-clock seconds the rollout loop waited for the tool environments' steps (their tool calls),
-    summed over rounds and ranks (``perf/env_wait_s`` for an environment without tools)."""
+    summed over rounds and ranks (``perf/env_wait_s`` for an environment without tools): the seconds in
+    which an environment step ran while no generation request was in flight (lock-step: every environment
+    turn). ``perf/engine_busy_frac``: the fraction of the loop's wall-clock time with at least one generation
+    request in flight (over rounds and ranks: their busy seconds over their loop seconds);
+    ``perf/num_overlapped_steps``: environment steps during which a generation request was in flight (0 in
+    lock-step: tools and generation overlapped that often)."""
     out = dict(counts)
     n = max(out.pop("env/num_trajectories"), 1.0)
     out["env/turns_mean"] = out.pop("env/num_turns") / n
@@ -478,6 +545,11 @@ def finalize_counts(counts: dict[str, float]) -> dict[str, float]:
         out["env/tool_call_frac"] = out["env/num_with_tool_call"] / n
         calls = out.get("env/tool_calls", 0.0)
         out["env/tool_success_frac"] = 1.0 - out.get("env/tool_errors", 0.0) / calls if calls else math.nan
+    busy, loop = out.pop("env/engine_busy_s", None), out.pop("env/loop_s", None)
+    if loop:
+        out["perf/engine_busy_frac"] = busy / loop
+    if "env/num_overlapped_steps" in out:
+        out["perf/num_overlapped_steps"] = out.pop("env/num_overlapped_steps")
     wait = out.pop("env/step_wait_s", None)  # a duration, not a count: under perf/, beside the stage's timings
     if wait is not None:
         out["perf/tool_wait_s" if "env/num_with_tool_call" in out else "perf/env_wait_s"] = wait

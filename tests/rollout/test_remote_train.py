@@ -56,7 +56,9 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.parametrize("turns", ["single", "multi"])
 def test_a_remote_run_is_token_exact_with_the_in_process_hf_engine(tmp_path, tiny_model_dir, svc, turns):
-    extra = ENV if turns == "multi" else []
+    # Multi-turn: lock-step on both sides (an in-process engine always is); independent trajectories through
+    # a service against the in-process engine: tests/rollout/test_trajectories_service.py.
+    extra = [*ENV, "env.lockstep=true"] if turns == "multi" else []
     ref = _run(tmp_path / "hf", tiny_model_dir, "rollout.engine=hf", *extra)
     got = _run(tmp_path / "remote", tiny_model_dir, *_remote(svc.url), *extra)
     _assert_same_run(ref, got)
