@@ -57,6 +57,7 @@ def test_bad_values_are_refused_before_anything_loads(extra, says, monkeypatch):
 def test_the_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("MUGRPO_API_KEY", "from-env")
     assert serve.check_start(_parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0"])) == "from-env"
-    assert serve.check_start(_parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0", "--api-key", "flag"])) == "flag"
+    with_flag = _parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0", "--api-key", "flag"])
+    assert serve.check_start(with_flag) == "flag"
     monkeypatch.delenv("MUGRPO_API_KEY")
     assert serve.check_start(_parser().parse_args(["--model", "M", "--engine", "hf", "--port", "0"])) is None

@@ -115,6 +115,7 @@ def request_problem(req: CompletionRequest, limits: Limits, vocab_size: int) -> 
         room = own[i] if own is not None else req.max_tokens
         if len(p) + room > limits.max_model_len:
             what = f"mugrpo.max_tokens[{i}]" if own is not None else "max_tokens"
+            most = max(0, limits.max_model_len - len(p))
             return (f"{what}: prompt {i} has {len(p)} tokens; with {room} new tokens it passes the model's context "
-                    f"of {limits.max_model_len} tokens (max_model_len); at most {max(0, limits.max_model_len - len(p))}")
+                    f"of {limits.max_model_len} tokens (max_model_len); at most {most}")
     return None

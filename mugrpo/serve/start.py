@@ -56,8 +56,9 @@ def check_start(args) -> Optional[str]:
     """The checks made before anything loads (ConfigError naming the flag); the API key in effect."""
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: a TCP port is 0..65535 (0: any free port)")
-    for flag, value in (("--header-timeout-s", args.header_timeout_s), ("--max-body-mb", args.max_body_mb), ("--max-n", args.max_n), ("--max-seqs", args.max_seqs),
-                        ("--batch-size", args.batch_size), ("--max-num-seqs", args.max_num_seqs)):
+    for flag, value in (("--header-timeout-s", args.header_timeout_s), ("--max-body-mb", args.max_body_mb),
+                        ("--max-n", args.max_n), ("--max-seqs", args.max_seqs), ("--batch-size", args.batch_size),
+                        ("--max-num-seqs", args.max_num_seqs)):
         if not value > 0:
             raise ConfigError(f"{flag} {value}: must be > 0")
     if args.max_model_len is not None and args.max_model_len < 2:
