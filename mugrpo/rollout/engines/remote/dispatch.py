@@ -259,8 +259,8 @@ class Dispatcher:
         others = [x.url for x in self.services if x.alive]
         what = (f"its {len(moved)} request(s) in flight (prompts {', '.join(map(str, moved))}) go to "
                 f"{', '.join(others) or 'no other service: none is left'}") if moved else "nothing was in flight"
-        after = ("it gets the current weights before its next use" if state == BACK else
-                 f"it is asked /info every {self.limits.probe_s:g} s and used again once it answers")
+        after = ("it gets the current weights before its next use" if state == BACK else "it is not used again"
+                 if s.refused else f"it is asked /info every {self.limits.probe_s:g} s and used again once it answers")
         print(f"[mugrpo] rollout service {s.url} left out: {why}; {what}; {after}", file=sys.stderr, flush=True)
         if state == DOWN and not s.refused and (s.prober is None or s.prober.done()):
             s.prober = asyncio.get_running_loop().create_task(self._probe(s))
