@@ -3,8 +3,7 @@
 at connection, and the weights folder both default to.
 
 The service's routes and their bodies are in docs/SERVING.md ("The protocol"); the service itself is in
-:mod:`mugrpo.serve`. The old ``/generate`` wire format (``sampling_to_json``, ``completions_from_json``)
-stays until the remote engine speaks ``/v1/completions``.
+:mod:`mugrpo.serve`.
 
 This module imports neither torch nor an HTTP library at import time.
 """
@@ -15,15 +14,11 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict
-from typing import Any
 
 _VOLATILE_CONFIG_KEYS = {"_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype",
                          "_commit_hash", "use_cache"}
 """Config keys that differ between copies of one architecture (where it was saved from, the dtype it was
 saved in): left out of :func:`model_fingerprint`, which the weights pushed every stage make sufficient."""
-
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "stop")
 
 
 def default_weights_dir() -> str:
@@ -50,51 +45,3 @@ def model_fingerprint(model_path: str, trust_remote_code: bool = False) -> str:
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).to_dict()
     kept = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-# -- the wire format (both sides) ----------------------------------------------------------------------
-
-def sampling_to_json(sampling) -> dict:
-    return {k: (list(v) if k == "stop" else v) for k, v in asdict(sampling).items()}
-
-
-def sampling_from_json(data: Any):
-    from mugrpo.rollout.engines.base import SamplingConfig
-
-    if not isinstance(data, dict) or set(data) - set(SAMPLING_FIELDS):
-        raise ValueError(f"'sampling' must be an object with keys among {', '.join(SAMPLING_FIELDS)}")
-    values = dict(data)
-    if "stop" in values:
-        values["stop"] = tuple(values["stop"])
-    return SamplingConfig(**values)
-
-
-def completions_to_json(completions: list) -> list:
-    return [[{"token_ids": c.token_ids, "logprobs": c.behavior_logprobs, "finish_reason": c.finish_reason}
-             for c in group] for group in completions]
-
-
-def completions_from_json(data: Any, num_prompts: int, n: int) -> list:
-    """Check an answer's shape (``num_prompts`` groups of ``n``, one log-prob per token, int ids, a known
-    finish reason) and build the completions; ValueError names what is wrong."""
-    from mugrpo.rollout.engines.base import Completion
-
-    if not isinstance(data, list) or len(data) != num_prompts:
-        raise ValueError(f"expected {num_prompts} groups of completions, got "
-                         f"{len(data) if isinstance(data, list) else type(data).__name__}")
-    out = []
-    for i, group in enumerate(data):
-        if not isinstance(group, list) or len(group) != n:
-            raise ValueError(f"prompt {i}: expected {n} completions")
-        row = []
-        for j, c in enumerate(group):
-            ids, logprobs = (c.get("token_ids"), c.get("logprobs")) if isinstance(c, dict) else (None, None)
-            if not (isinstance(ids, list) and isinstance(logprobs, list) and len(ids) == len(logprobs)
-                    and all(type(t) is int for t in ids) and all(isinstance(x, (int, float)) for x in logprobs)):
-                raise ValueError(f"prompt {i}, completion {j}: token_ids and logprobs must be lists of equal "
-                                 "length (ints and numbers)")
-            if c.get("finish_reason") not in ("stop", "length"):
-                raise ValueError(f"prompt {i}, completion {j}: finish_reason {c.get('finish_reason')!r}")
-            row.append(Completion(ids, [float(x) for x in logprobs], c["finish_reason"]))
-        out.append(row)
-    return out

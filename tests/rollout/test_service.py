@@ -16,7 +16,6 @@ from safetensors.torch import save_file
 from mugrpo.config.rollout_sections import RolloutConfig
 from mugrpo.models.loading import load_tokenizer
 from mugrpo.rollout.engines import SamplingConfig, make_engine
-from mugrpo.rollout.service import completions_from_json
 from rollout_services import serving
 
 KEY = "test-key-123"
@@ -216,23 +215,3 @@ def test_sigterm_stops_the_service_cleanly(svc):  # the module's last test: its 
     assert svc.stop() == 0
     err = "".join(svc.lines)
     assert "terminate called" not in err and "Traceback" not in err and "stopped" in err
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("data, says", [
-    ([[{"token_ids": [1], "logprobs": [-0.5], "finish_reason": "stop"}]], "expected 2 groups"),
-    ([[{"token_ids": [1], "logprobs": [-0.5], "finish_reason": "stop"}]] * 2, "expected 2 completions"),
-    ([[{"token_ids": [1, 2], "logprobs": [-0.5], "finish_reason": "stop"}] * 2] * 2, "equal length"),
-    ([[{"token_ids": [1.0], "logprobs": [-0.5], "finish_reason": "stop"}] * 2] * 2, "equal length (ints"),
-    ([[{"token_ids": [1], "logprobs": [-0.5], "finish_reason": "eos"}] * 2] * 2, "finish_reason 'eos'"),
-])
-def test_an_answer_of_the_wrong_shape_is_named(data, says):
-    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
-        completions_from_json(data, num_prompts=2, n=2)
-
-
-@pytest.mark.unit
-def test_a_well_formed_answer_round_trips():
-    data = [[{"token_ids": [1, 2], "logprobs": [-0.5, -1.25], "finish_reason": "length"}]]
-    [[c]] = completions_from_json(data, num_prompts=1, n=1)
-    assert (c.token_ids, c.behavior_logprobs, c.finish_reason) == ([1, 2], [-0.5, -1.25], "length")
