@@ -7,8 +7,8 @@ serving module; ``train`` and ``sft`` install the stop handler (:mod:`mugrpo.sto
 is even imported.
 
 Every verb that takes a config accepts ``--preset NAME``, ``--config FILE.yaml`` and ``key=value``
-overrides of any field (dotted names), anywhere on the line (:func:`parse_args`). Errors in user input exit with status 2 and one message
-that names the problem and the fix, never a traceback.
+overrides of any field (dotted names), anywhere on the line (:func:`parse_args`). Errors in user input
+exit with status 2 and one message that names the problem and the fix, never a traceback.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ VERBS: dict[str, tuple[str, str, str]] = {
     "sft": ("mugrpo.cli:sft_arguments", "mugrpo.cli:train_verb",
             "a supervised warm start alone (warmstart.data=FILE): its final_model/ can be the model.name of an RL run "
             "(docs/WARMSTART.md)"),
-    "plan": ("mugrpo.cli:config_arguments", "mugrpo.cli:plan_verb", "print the stage plan a config implies, without training"),
+    "plan": ("mugrpo.cli:config_arguments", "mugrpo.cli:plan_verb",
+             "print the stage plan a config implies, without training"),
     "config": ("mugrpo.cli:config_verb_arguments", "mugrpo.cli:config_verb",
                "print the resolved config (YAML) or the config reference"),
     "eval": ("mugrpo.evaluation.cli:add_arguments", "mugrpo.evaluation.cli:run",
