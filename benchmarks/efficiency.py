@@ -158,7 +158,8 @@ def part_update(args) -> dict:
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan
-    from mugrpo.training.trainer import RunState, Trainer
+    from mugrpo.stages.state import RLState
+    from mugrpo.training.trainer import Trainer
 
     run_dir = Path(args.run_dir)
     data = read_stage_data(RunDir(run_dir).stage(1))
@@ -182,7 +183,7 @@ def part_update(args) -> dict:
         for u in out["updates"]:
             t0 = time.perf_counter()
             m = Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, resolved=resolved,
-                        state=RunState(stage=1, update_in_stage=u)).update(data)
+                        state=RLState(stage=1, update_in_stage=u)).update(data)
             seconds.append(time.perf_counter() - t0)
             trained_tokens = m["loss/num_tokens"] if name == "all" else trained_tokens
         out["variants"][name] = {"s_per_update": sum(seconds) / len(seconds), "seconds": seconds,

@@ -47,7 +47,8 @@ from mugrpo.stages import shards  # noqa: E402
 from mugrpo.config import load_config  # noqa: E402
 from mugrpo.stages.data import StageData
 from mugrpo.config.plan import make_plan  # noqa: E402
-from mugrpo.training.trainer import RunState, Trainer, build_optimizer  # noqa: E402
+from mugrpo.stages.state import RLState  # noqa: E402
+from mugrpo.training.trainer import Trainer, build_optimizer  # noqa: E402
 
 # Qwen2.5-0.5B's shape (494M parameters, tied embeddings); "tiny" is for the CPU smoke run.
 PRESETS = {
@@ -149,7 +150,7 @@ def run_variant(name: str, overrides: dict, args, world: dist.World) -> dict:
     model.train()
     optimizer, scheduler = build_optimizer(model, cfg, plan)
     data = synthetic_stage(P // world.size * (args.updates + 1), args, config.vocab_size, world.rank)
-    state = RunState()
+    state = RLState()
     times, tokens, flops, losses = [], [], [], []
     for u in range(args.updates + 1):
         groups = shards.rank_update_groups(data, P // world.size, u, cfg.train.seed, 0)

@@ -66,7 +66,8 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     from mugrpo.hardware import detect, resolve
     from mugrpo.models.loading import load_policy, resolve_model_path
     from mugrpo.config.plan import make_plan
-    from mugrpo.training.trainer import RunState, Trainer, build_optimizer
+    from mugrpo.stages.state import RLState
+    from mugrpo.training.trainer import Trainer, build_optimizer
 
     cfg = load_config("mu-grpo", overrides=["schedule.total_updates=8", "schedule.num_stages=1",
                                             f"schedule.prompts_per_update={prompts}", *overrides])
@@ -82,7 +83,7 @@ def one_variant(overrides: list[str], updates: int, prompts: int) -> dict:
     for u in range(updates):
         t0 = time.perf_counter()
         Trainer(cfg, plan, World(), policy, optimizer, scheduler, resolved=resolved,
-                state=RunState(stage=0, update_in_stage=u % 8)).update(data)
+                state=RLState(stage=0, update_in_stage=u % 8)).update(data)
         seconds.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     synced = sum(t.numel() for _, t in dist.full_state_items(policy))

@@ -1,70 +1,105 @@
-"""The ``mugrpo`` command: ``train``, ``sft`` (a warm start alone), ``plan`` and ``config`` (``eval``,
-``report`` and ``serve`` live in their modules).
+"""The ``mugrpo`` command: ``train``, ``sft`` (a warm start alone), ``plan`` and ``config`` here; ``eval``,
+``report`` and ``serve`` in their own modules.
+
+A verb's code is imported only when that verb runs (:data:`VERBS`: each verb's argument builder and
+entry point by name), so ``mugrpo --help`` imports no verb and ``mugrpo train`` no report, evaluation or
+serving module; ``train`` and ``sft`` install the stop handler (:mod:`mugrpo.stopping`) before the config
+is even imported.
 
 Every verb that takes a config accepts ``--preset NAME``, ``--config FILE.yaml`` and ``key=value``
-overrides of any field (dotted names), anywhere on the line (:func:`parse_args`). Errors in user input exit with status 2 and one message
-that names the problem and the fix, never a traceback.
+overrides of any field (dotted names), anywhere on the line (:func:`parse_args`). Errors in user input
+exit with status 2 and one message that names the problem and the fix, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import importlib
 import os
 import re
 import sys
 from pathlib import Path
 
 from mugrpo import stopping
-from mugrpo.config import PRESETS, ConfigError, load_config
 from mugrpo.errors import UserError
 from mugrpo.faults import maybe_die
 
+VERBS: dict[str, tuple[str, str, str]] = {
+    "train": ("mugrpo.cli:train_arguments", "mugrpo.cli:train_verb",
+              "train a policy (default: mu-grpo on SmolLM2-135M, basic arithmetic)"),
+    "sft": ("mugrpo.cli:sft_arguments", "mugrpo.cli:train_verb",
+            "a supervised warm start alone (warmstart.data=FILE): its final_model/ can be the model.name of an RL run "
+            "(docs/WARMSTART.md)"),
+    "plan": ("mugrpo.cli:config_arguments", "mugrpo.cli:plan_verb",
+             "print the stage plan a config implies, without training"),
+    "config": ("mugrpo.cli:config_verb_arguments", "mugrpo.cli:config_verb",
+               "print the resolved config (YAML) or the config reference"),
+    "eval": ("mugrpo.evaluation.cli:add_arguments", "mugrpo.evaluation.cli:run",
+             "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
+    "report": ("mugrpo.observability.report:add_arguments", "mugrpo.observability.report:run",
+               "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
+    "serve": ("mugrpo.serve:add_arguments", "mugrpo.serve:run",
+              "start a rollout service for rollout.engine=remote (docs/SERVING.md)"),
+}
+"""verb -> (its argument builder ``f(parser)``, its entry point ``f(args) -> exit status``, its help), by
+``"module:function"`` name: loaded only for the verb on the command line."""
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+HELD_VERBS = ("train", "sft")
+"""Verbs that write a run: the stop handler is held from the CLI's start to the last write."""
+
+
+def _load(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def config_arguments(p: argparse.ArgumentParser) -> None:
+    from mugrpo.config import PRESETS
+
     p.add_argument("--preset", help=f"one of: {', '.join(PRESETS)} (default mu-grpo)")
     p.add_argument("--config", help="YAML file of overrides (nested sections or dotted keys)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="override any config field, e.g. loss.veto_delta=1e-3 schedule.total_updates=64")
 
 
+def train_arguments(p: argparse.ArgumentParser) -> None:
+    config_arguments(p)
+    p.add_argument("--run-dir", help="output folder (default runs/<preset>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--replay", metavar="SOURCE_RUN_DIR",
+                   help="train on the stages SOURCE_RUN_DIR saved instead of generating (docs/ALGORITHM.md 5d)")
+
+
+def sft_arguments(p: argparse.ArgumentParser) -> None:
+    config_arguments(p)
+    p.add_argument("--run-dir", help="output folder (default runs/sft-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the warm start in RUN_DIR from its last checkpoint")
+
+
+def config_verb_arguments(p: argparse.ArgumentParser) -> None:
+    config_arguments(p)
+    p.add_argument("--reference", action="store_true", help="print every key with its default and doc")
+    p.add_argument("--markdown", action="store_true", help="with --reference: as a markdown table")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per verb, each empty until :func:`parse_args` meets its
+    verb on the command line and loads its arguments (:data:`VERBS`)."""
     parser = argparse.ArgumentParser(prog="mugrpo", description="Mu-GRPO: staged stale-rollout GRPO for RLVR")
     sub = parser.add_subparsers(dest="verb", required=True)
-    train = sub.add_parser("train", help="train a policy (default: mu-grpo on SmolLM2-135M, basic arithmetic)")
-    _add_config_args(train)
-    train.add_argument("--run-dir", help="output folder (default runs/<preset>-<time>)")
-    train.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
-    train.add_argument("--replay", metavar="SOURCE_RUN_DIR",
-                       help="train on the stages SOURCE_RUN_DIR saved instead of generating (docs/ALGORITHM.md 5d)")
-    sft = sub.add_parser("sft", help="a supervised warm start alone (warmstart.data=FILE): its final_model/ can be "
-                                     "the model.name of an RL run (docs/WARMSTART.md)")
-    _add_config_args(sft)
-    sft.add_argument("--run-dir", help="output folder (default runs/sft-<time>)")
-    sft.add_argument("--resume", metavar="RUN_DIR", help="continue the warm start in RUN_DIR from its last checkpoint")
-    plan = sub.add_parser("plan", help="print the stage plan a config implies, without training")
-    _add_config_args(plan)
-    config = sub.add_parser("config", help="print the resolved config (YAML) or the config reference")
-    _add_config_args(config)
-    config.add_argument("--reference", action="store_true", help="print every key with its default and doc")
-    config.add_argument("--markdown", action="store_true", help="with --reference: as a markdown table")
-    for name, (module, helptext) in _EXTRA_VERBS.items():
-        extra = sub.add_parser(name, help=helptext)
-        extra.set_defaults(_extra_module=module)
-        __import__(module, fromlist=["add_arguments"]).add_arguments(extra)
+    parser.verb_parsers = {name: sub.add_parser(name, help=helptext) for name, (_, _, helptext) in VERBS.items()}
     return parser
 
 
-# Verbs implemented in their own modules: name -> (module with add_arguments(p) and run(args), help).
-_EXTRA_VERBS: dict[str, tuple[str, str]] = {
-    "eval": ("mugrpo.evaluation.cli", "evaluate a model or run: greedy accuracy, avg@n, pass@k per task"),
-    "report": ("mugrpo.observability.report", "compare runs: PNG figures and a markdown summary from metrics.jsonl"),
-    "serve": ("mugrpo.serve", "start a rollout service for rollout.engine=remote (docs/SERVING.md)"),
-}
-
-
-def _resolve(args) -> "object":
-    return load_config(args.preset, args.config, args.overrides)
+def _load_verb_arguments(parser: argparse.ArgumentParser, argv: list[str]) -> None:
+    """Add the arguments of the verb named on ``argv`` (its first word that is a verb) to its sub-parser."""
+    verb = next((tok for tok in argv if tok in VERBS), None)
+    if verb is None or getattr(parser.verb_parsers[verb], "loaded", False):
+        return
+    _load(VERBS[verb][0])(parser.verb_parsers[verb])
+    parser.verb_parsers[verb].loaded = True
 
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w.\-]*=")
@@ -75,7 +110,10 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None) -
     """``parser``'s arguments, with ``key=value`` overrides accepted anywhere on the line (before, between
     or after flags such as ``--run-dir``), as users type them. argparse alone takes one contiguous block
     of positionals; the overrides it leaves over are appended in order. A left-over token that is neither
-    a known flag nor ``key=value`` (in a verb that takes overrides: any token) is an error (exit 2)."""
+    a known flag nor ``key=value`` (in a verb that takes overrides: any token) is an error (exit 2).
+    Only the named verb's arguments are loaded (:func:`build_parser`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _load_verb_arguments(parser, argv)
     args, extra = parser.parse_known_args(argv)
     if not extra:
         return args
@@ -95,31 +133,37 @@ def main(argv: list[str] | None = None) -> int:
         faulthandler.enable()
     except (AttributeError, ValueError):  # a stderr without a file descriptor (e.g. captured in tests)
         pass
-    parser = build_parser()
-    args = parse_args(parser, argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    held = bool(argv) and argv[0] in HELD_VERBS
     try:
-        if getattr(args, "_extra_module", None):
-            return __import__(args._extra_module, fromlist=["run"]).run(args) or 0
-        if args.verb == "plan":
-            from mugrpo.config.plan import format_plan, make_plan
-
-            cfg = _resolve(args)
-            print(format_plan(make_plan(cfg), cfg))
-            print(_environment_plan(cfg), end="")
-            print(_warmstart_plan(cfg), end="")
-            return 0
-        if args.verb == "config":
-            return _config_verb(args)
-        # train or sft: the stop handler first, before any heavy import, and until the last write
-        with stopping.hold():
-            maybe_die("start")
-            return _train_verb(args)
+        # train or sft: the stop handler first, before any heavy import (the config's too), until the last write
+        with stopping.hold() if held else contextlib.nullcontext():
+            if held:
+                maybe_die("start")
+            args = parse_args(build_parser(), argv)
+            return _load(VERBS[args.verb][1])(args) or 0
     except stopping.Interrupted as exc:
         print(f"[mugrpo] {exc}", file=sys.stderr)
         return 130
     except UserError as exc:  # every module's user-facing error derives from it (mugrpo/errors.py)
         print(f"mugrpo: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _resolve(args) -> "object":
+    from mugrpo.config import load_config
+
+    return load_config(args.preset, args.config, args.overrides)
+
+
+def plan_verb(args) -> int:
+    from mugrpo.config.plan import format_plan, make_plan
+
+    cfg = _resolve(args)
+    print(format_plan(make_plan(cfg), cfg))
+    print(_environment_plan(cfg), end="")
+    print(_warmstart_plan(cfg), end="")
+    return 0
 
 
 def _environment_plan(cfg) -> str:
@@ -156,7 +200,7 @@ def _warmstart_plan(cfg) -> str:
     return "".join(f"{k:<{width}}  {v}\n" for k, v in rows)
 
 
-def _config_verb(args) -> int:
+def config_verb(args) -> int:
     from mugrpo.config import dump_yaml, field_docs
 
     if args.reference:
@@ -167,9 +211,10 @@ def _config_verb(args) -> int:
     return 0
 
 
-def _train_verb(args) -> int:
+def train_verb(args) -> int:
     """``mugrpo train`` (a warm start first with ``warmstart.data``) and ``mugrpo sft`` (the warm start alone)."""
     from mugrpo.api import default_run_dir
+    from mugrpo.config import ConfigError
     from mugrpo.kit.lifecycle import resume_config
     from mugrpo.pipeline import sft, train
 

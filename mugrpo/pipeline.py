@@ -6,9 +6,10 @@ This is the one place that knows a run may have two phases. :func:`train` (``mug
 skipped once that final model exists, resumed by resuming the run), then RL from its final model;
 :func:`sft` (``mugrpo sft``) runs the warm start alone. The two phases are peers below this module
 (:mod:`mugrpo.training.trainer`, :mod:`mugrpo.warmstart.phase`) on one trainer kit (:mod:`mugrpo.kit`);
-neither imports the other. Each phase holds the run directory through one
-:class:`~mugrpo.kit.lifecycle.RunLifecycle` that records the kind of run and names the right resume
-command.
+neither imports the other. The run holds its directory through one
+:class:`~mugrpo.kit.lifecycle.RunLifecycle` that records the kind of run, names the right resume command
+and takes each phase through its order (``with life.phase() as run``); this module only says which
+phases run, in which order.
 """
 
 from __future__ import annotations
@@ -35,20 +36,16 @@ def train(cfg: Config, run_dir: Path, resume: bool = False, task: Task | None = 
     world = dist.init(cfg.parallel.timeout_s)
     rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     kind = "replay" if replay is not None else "rl"
-    with RunLifecycle(rd, cfg, kind, resume, world) as life:  # a resume of an sft run stops here, nothing written
+    warm = cfg.warmstart.data is not None
+    # A new run with a warm start claims its directory first: the warm start is work a resume must find.
+    with RunLifecycle(rd, cfg, kind, resume, world, claim_first=warm) as life:  # a resume of an sft run stops here
         model_path = None
-        life.stop_point()  # a stop during the imports: nothing is written
-        if resume or cfg.warmstart.data is not None:
-            # Before any work: a second process on this run directory stops here. A new run with a warm
-            # start claims its directory first: the warm start is work a resume must find.
-            life.claim()
-        else:
-            life.check_free()
-        if cfg.warmstart.data is not None:
-            model_path = warm_start(cfg, rd)
+        if warm:
+            with life.phase():
+                model_path = warm_start(cfg, rd)
             maybe_die("phase_end")
-            life.stop_point()  # a stop between the warm start and RL: the resume starts RL
-        return trainer.train(cfg, life, task=task, replay=replay, model_path=model_path)
+        with life.phase() as run:  # a stop between the warm start and RL: the resume starts RL
+            return trainer.train(cfg, run, task=task, replay=replay, model_path=model_path)
 
 
 def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = None) -> Path:

@@ -122,6 +122,13 @@ class RunDir:
             return "warmstart"
         return kind if kind in RUN_KINDS else None
 
+    def holds_work(self) -> bool:
+        """Whether the directory holds work a resume would continue: a checkpoint, a stage's data (its
+        shards' record), or its warm start's checkpoint or final model."""
+        warm = RunDir(self.warmstart)
+        return (any(self.checkpoints.glob("ckpt_*")) or any(self.stages.glob(f"stage_*/{SHARDS_FILE}"))
+                or any(warm.checkpoints.glob("ckpt_*")) or warm.final_model.is_dir())
+
     def write_kind(self, kind: str) -> None:
         assert kind in RUN_KINDS, kind
         atomic_write_text(self.run_file, json.dumps({"kind": kind}))

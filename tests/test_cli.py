@@ -1,6 +1,9 @@
 """mugrpo.cli: ``mugrpo plan`` reads the built-in model's
-tokenizer for an environment run, and ``key=value`` overrides are accepted anywhere on the line."""
+tokenizer for an environment run, ``key=value`` overrides are accepted anywhere on the line, and a verb's
+code is imported only when that verb runs."""
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +58,32 @@ def test_a_token_that_is_neither_a_flag_nor_an_override_is_an_error(argv, stray,
 def test_a_stray_word_in_the_override_block_is_named_with_the_fix(capsys):
     assert main(["plan", "schedule.total_updates=8", "oops", "--preset", "grpo"]) == 2
     assert "override 'oops' is not of the form key=value" in capsys.readouterr().err
+
+
+def _imported_modules(*argv: str) -> set[str]:
+    """The modules ``python -X importtime -m mugrpo ARGV`` imports (its stderr lists each one)."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "mugrpo", *argv], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+
+
+VERB_MODULES = ("mugrpo.serve", "mugrpo.observability.report", "mugrpo.evaluation.cli")
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["sft", "--help"]])
+def test_help_imports_no_other_verbs_code(argv):
+    imported = _imported_modules(*argv)
+    assert "mugrpo.cli" in imported  # the listing is read: the command's own module is in it
+    assert not imported & set(VERB_MODULES), sorted(imported & set(VERB_MODULES))
+    if argv == ["--help"]:
+        assert "mugrpo.config" not in imported  # no verb's arguments are built for the verb list
+
+
+@pytest.mark.unit
+def test_a_verbs_arguments_are_loaded_when_its_verb_is_parsed():
+    parser = build_parser()
+    assert not any(a.option_strings for a in parser.verb_parsers["report"]._actions if a.dest != "help")
+    args = parse_args(parser, ["report", "r1", "--out", "o"])
+    assert args.out == "o" and getattr(parser.verb_parsers["report"], "loaded", False)
+    assert not getattr(parser.verb_parsers["serve"], "loaded", False)

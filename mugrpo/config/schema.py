@@ -351,7 +351,8 @@ class LoraConfig:
 @dataclass
 class CheckpointConfig:
     every_updates: int = field(default=0, metadata=SAFE)
-    """Also checkpoint every N updates inside a stage (0: only at stage boundaries)."""
+    """Also checkpoint every N updates, counted over the run (after global update N, 2N, ...; 0: only at
+    stage boundaries and on a stop)."""
     keep_last: int = field(default=2, metadata=SAFE)
     max_bad_updates: int = field(default=5, metadata=SAFE)
     """Stop after this many consecutive updates skipped for a non-finite loss or gradient."""

@@ -23,19 +23,33 @@ The plain layout (:func:`collate`: one row per sequence, prompt left-padded,
 response right-padded) is the reference, and the fallback for models the block mask cannot serve.
 
 Shapes: B rows, L row length, S sequences in a micro-batch, R its longest response, N its
-response tokens. This module builds tensors from stage data (:class:`~mugrpo.stages.data.StageData`, read by
-attribute); it knows nothing about models.
+response tokens. This module builds tensors from the sequences a phase hands it (:class:`Sequences`, read
+by attribute: RL's stage data, :class:`~mugrpo.stages.data.StageData`, or the warm start's examples,
+:class:`~mugrpo.warmstart.phase.ExampleSet`); it knows nothing about models, stages or losses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # the stage data's schema (mugrpo.stages.data) sits above the kit; read by attribute here
-    from mugrpo.stages.data import StageData
+
+class Sequences(Protocol):
+    """What the layout reads of the sequences it lays out: ``group_size`` responses per prompt, sequence
+    ``s`` being response ``s`` of prompt ``s // group_size``. ``turns``: each response token's turn (< 0:
+    an input, not a trained token) or None (every response token is trained); ``behavior_logprobs`` and
+    ``advantages`` None: zeros, for a phase whose loss reads neither (the warm start)."""
+
+    group_size: int
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    turns: list[list[int]] | None
+    behavior_logprobs: list[list[float]] | None
+    trainer_logprobs: list[list[float]] | None
+    advantages: torch.Tensor | None
+
 
 @dataclass
 class MicroBatch:
@@ -46,8 +60,8 @@ class MicroBatch:
     response_mask: torch.Tensor  # [B, R] bool
     behavior_logprobs: torch.Tensor  # [B, R]
     advantages: torch.Tensor  # [B]
-    trainer_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R], with StageData's
-    turns: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R] int8 (padding 0), with StageData's
+    trainer_logprobs: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R], with RL's stage data's
+    turns: torch.Tensor | None = field(default=None, kw_only=True)  # [B, R] int8 (padding 0), with RL's stage data's
 
     @property
     def response_len(self) -> int:
@@ -58,7 +72,7 @@ class MicroBatch:
                              for f in self.__dataclass_fields__})
 
 
-def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
+def collate(data: Sequences, seqs: list[int], pad_id: int) -> MicroBatch:
     """Left-pad prompts and right-pad responses so every response starts at column P.
 
     Position ids count real tokens only (cumsum of the mask - 1), as ``generate`` does for a
@@ -79,7 +93,8 @@ def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
         input_ids[row, P - len(p):P] = torch.tensor(p, dtype=torch.long)
         input_ids[row, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
         attention[row, P - len(p):P + len(r)] = 1
-        behavior[row, :len(r)] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
+        if data.behavior_logprobs is not None:
+            behavior[row, :len(r)] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
         if trainer is not None:
             trainer[row, :len(r)] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
     position_ids = (attention.cumsum(1) - 1).clamp(min=0)
@@ -87,10 +102,17 @@ def collate(data: StageData, seqs: list[int], pad_id: int) -> MicroBatch:
     if turns is not None:
         response_mask &= turns >= 0
     return MicroBatch(input_ids, attention, position_ids, input_ids[:, P:].clone(), response_mask, behavior,
-                      data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer, turns=turns)
+                      _advantages(data, seqs), trainer_logprobs=trainer, turns=turns)
 
 
-def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | None:
+def _advantages(data: Sequences, seqs: list[int]) -> torch.Tensor:
+    """[len(seqs)] the sequences' advantages (zeros for data without any)."""
+    if data.advantages is None:
+        return torch.zeros(len(seqs))
+    return data.advantages[torch.tensor(seqs, dtype=torch.long)]
+
+
+def response_turns(data: Sequences, seqs: list[int], R: int) -> torch.Tensor | None:
     """[len(seqs), R] int8 turn index of each response token (padding 0), or None for single-turn data."""
     if data.turns is None:
         return None
@@ -101,7 +123,7 @@ def response_turns(data: StageData, seqs: list[int], R: int) -> torch.Tensor | N
 
 
 
-def sequences_to_train(data: StageData, seqs: list[int], skip_zero_advantage: bool) -> list[int]:
+def sequences_to_train(data: Sequences, seqs: list[int], skip_zero_advantage: bool) -> list[int]:
     """``seqs`` minus those whose advantage is exactly 0 (when skipping is on)."""
     if not skip_zero_advantage:
         return list(seqs)
@@ -124,7 +146,7 @@ Row = tuple[int, list[int]]
 """(group, sequences of that group in this row)."""
 
 
-def make_rows(data: StageData, seqs: list[int], shared: bool, budget: int) -> list[Row]:
+def make_rows(data: Sequences, seqs: list[int], shared: bool, budget: int) -> list[Row]:
     """Rows of ``seqs`` (kept in their given order): one per group when ``shared`` (split where the
     group does not fit ``budget``), else one per sequence."""
     G = data.group_size
@@ -142,7 +164,7 @@ def make_rows(data: StageData, seqs: list[int], shared: bool, budget: int) -> li
     return rows
 
 
-def pack_rows(data: StageData, rows: list[Row], shared: bool, budget: int, max_seqs: int | None
+def pack_rows(data: Sequences, rows: list[Row], shared: bool, budget: int, max_seqs: int | None
               ) -> list[list[Row]]:
     """Rows grouped into micro-batches: longest first, each filled while its padded size fits ``budget``.
 
@@ -175,14 +197,14 @@ def pack_rows(data: StageData, rows: list[Row], shared: bool, budget: int, max_s
     return batches
 
 
-def micro_batches(data: StageData, seqs: list[int], *, shared: bool, budget: int, max_seqs: int | None,
+def micro_batches(data: Sequences, seqs: list[int], *, shared: bool, budget: int, max_seqs: int | None,
                   pad_id: int, mask_dtype: torch.dtype = torch.bool) -> list[MicroBatch | SharedBatch]:
     """``seqs`` as token-budgeted micro-batches, in the shared-prefix or the plain layout."""
     return [mb for _, mb in ordered_micro_batches(data, seqs, shared=shared, budget=budget, max_seqs=max_seqs,
                                                   pad_id=pad_id, mask_dtype=mask_dtype)]
 
 
-def ordered_micro_batches(data: StageData, seqs: list[int], *, shared: bool, budget: int, max_seqs: int | None,
+def ordered_micro_batches(data: Sequences, seqs: list[int], *, shared: bool, budget: int, max_seqs: int | None,
                           pad_id: int, mask_dtype: torch.dtype = torch.bool
                           ) -> list[tuple[list[int], MicroBatch | SharedBatch]]:
     """:func:`micro_batches`, each with the sequence index of each of its batch rows (for results
@@ -194,7 +216,7 @@ def ordered_micro_batches(data: StageData, seqs: list[int], *, shared: bool, bud
     return out
 
 
-def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: torch.dtype = torch.bool
+def collate_shared(data: Sequences, rows: list[Row], pad_id: int, mask_dtype: torch.dtype = torch.bool
                    ) -> SharedBatch:
     """Lay out shared-prefix rows: ``prompt, response_1, ..., response_k`` each, right-padded.
 
@@ -231,7 +253,8 @@ def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: to
             token_seq += [slot] * n
             token_pos += list(range(n))
             response_ids[slot, :n] = torch.tensor(response, dtype=torch.long)
-            behavior[slot, :n] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
+            if data.behavior_logprobs is not None:
+                behavior[slot, :n] = torch.tensor(data.behavior_logprobs[s], dtype=torch.float32)
             if trainer is not None:
                 trainer[slot, :n] = torch.tensor(data.trainer_logprobs[s], dtype=torch.float32)
             slot += 1
@@ -242,7 +265,7 @@ def collate_shared(data: StageData, rows: list[Row], pad_id: int, mask_dtype: to
         response_mask &= turns >= 0
     return SharedBatch(input_ids=input_ids, attention_mask=block_mask(segment, mask_dtype), position_ids=position_ids,
                        response_ids=response_ids, response_mask=response_mask, behavior_logprobs=behavior,
-                       advantages=data.advantages[torch.tensor(seqs, dtype=torch.long)], trainer_logprobs=trainer,
+                       advantages=_advantages(data, seqs), trainer_logprobs=trainer,
                        turns=turns, predict_index=torch.tensor(predict, dtype=torch.long),
                        token_seq=torch.tensor(token_seq, dtype=torch.long),
                        token_pos=torch.tensor(token_pos, dtype=torch.long))

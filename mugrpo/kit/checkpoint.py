@@ -16,8 +16,9 @@ it: :mod:`mugrpo.kit.lifecycle`)::
 
 A checkpoint is written into a temporary folder, fsynced, then renamed: a folder named ``ckpt_*``
 is always complete. The newest ``keep_last`` are kept. It holds the model, optimizer and LR
-schedule, every RNG state, and the position (stage, update, update within the stage); the stage's
-data is on disk already, so resuming mid-stage never regenerates. A resume checks RUN_DIR/config.yaml
+schedule, every RNG state, and the phase's position (its :class:`RunState`: the global step, and for RL
+the stage and the update within it, :class:`mugrpo.stages.state.RLState`); RL's stage data is on disk
+already, so resuming mid-stage never regenerates. A resume checks RUN_DIR/config.yaml
 (plus any ``key=value`` overrides) against the config stored in the newest checkpoint, and loads the
 newest checkpoint that is readable, warning about any newer one that is not.
 
@@ -52,22 +53,32 @@ from mugrpo.run_dir import (CONFIG_FILE, DiskFullError, RunDir, RunDirError, rem
 
 @dataclass
 class RunState:
-    """Everything positional that a resume needs besides weights, optimizer and RNG states."""
+    """What every phase's resume needs besides weights, optimizer and RNG states: the global step (the
+    checkpoint cadence counts it) and the non-finite steps. A phase with more position extends it (RL:
+    :class:`mugrpo.stages.state.RLState`); a checkpoint stores the fields of the state's class, and a load
+    fills the class it is given with the fields it has (a field it lacks keeps its default; one it does not
+    know, e.g. the stage a warm start's checkpoint held before issue 39, is ignored)."""
 
-    stage: int = 0
-    update_in_stage: int = 0
-    """Updates already done in ``stage`` (0 = the stage's data may not exist yet)."""
     update: int = 0
-    """Global optimizer updates done."""
+    """Global optimizer steps done."""
     bad_update_streak: int = 0
     num_skipped_updates: int = 0
     elapsed_s: float = 0.0
     """Wall-clock of earlier sessions of this run (so ``time_s`` continues across resumes)."""
-    stage_first_log_ratio: float | None = None
-    """The stage's first update's ``loss/log_ratio_abs_mean`` (its ``stage/engine_logprob_mismatch``),
-    kept so that a resume past that update still logs it; None before the stage's first update."""
-    eval_pending: bool = False
-    """A stop abandoned the stage-end evaluation at ``update``: the resumed run runs it at its start."""
+
+    def checkpoint_name(self) -> str:
+        """The checkpoint folder's name: the global step first (the newest sorts last); a phase without
+        stages is one stage (``s000``) whose steps are all its updates, as its folders were always named."""
+        return f"ckpt_{self.update:06d}_s000_u{self.update:05d}"
+
+    def describe(self) -> str:
+        return f"update {self.update}"
+
+
+def state_from_saved(saved: dict, state_type: type = RunState) -> RunState:
+    """A ``state_type`` from a checkpoint's ``trainer_state.json`` (see :class:`RunState` for the fields)."""
+    fields = {f.name for f in dataclasses.fields(state_type)}
+    return state_type(**{k: v for k, v in saved.items() if k in fields})
 
 ADAPTER_DIR = "adapter"
 """final_model/adapter/: the LoRA adapter as a peft folder (LoRA runs only)."""
@@ -122,7 +133,7 @@ def save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world,
 
 def _save(run_dir: Path, policy, optimizer, scheduler, state, cfg: Config, world, elapsed_s: float) -> Path:
     root = RunDir(run_dir).checkpoints
-    name = f"ckpt_{state.update:06d}_s{state.stage:03d}_u{state.update_in_stage:05d}"
+    name = state.checkpoint_name()
     final = root / name
     # Collectives under FSDP2: every rank takes part, rank 0 keeps the gathered tensors.
     model_sd = _full_state_dict(dist.trained_items(policy, keep=world.is_main))
@@ -207,8 +218,9 @@ def _newest_loadable(run_dir: Path, world) -> Path | None:
     return Path(choice) if choice else None
 
 
-def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
-    """Restore model, optimizer, schedule and RNGs from the newest loadable checkpoint; return the RunState."""
+def load_latest(run_dir: Path, policy, optimizer, scheduler, world, state_type: type = RunState):
+    """Restore model, optimizer, schedule and RNGs from the newest loadable checkpoint; return its state, a
+    ``state_type`` (None without a checkpoint)."""
 
     path = _newest_loadable(run_dir, world)
     if path is None:  # died before the first stage ended: the initial state is a pure function of the config
@@ -229,11 +241,9 @@ def load_latest(run_dir: Path, policy, optimizer, scheduler, world):
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False)["scheduler"])
     rng_path = path / f"rng_rank{world.rank}.pt"  # absent when resuming on more processes than saved
     _set_rng_state(torch.load(rng_path if rng_path.is_file() else path / "rng_rank0.pt", weights_only=False)["rng"])
-    fields = {f.name for f in dataclasses.fields(RunState)}
-    state = RunState(**{k: v for k, v in saved.items() if k in fields})
+    state = state_from_saved(saved, state_type)
     if world.is_main:
-        print(f"[mugrpo] resumed from {path.name}: stage {state.stage}, update {state.update} "
-              f"({state.update_in_stage} done in this stage)")
+        print(f"[mugrpo] resumed from {path.name}: {state.describe()}")
     return state
 
 

@@ -1,5 +1,5 @@
-"""A run's lifecycle, one component for every kind of run: its hold on the run directory from the
-first piece of work to the last write.
+"""A run's lifecycle, one component for every kind of run and every phase: its hold on the run
+directory from the first piece of work to the last write, and the order of a phase's steps.
 
 :class:`RunLifecycle` (a context manager) owns, for ``mugrpo train`` (kinds ``rl`` and ``replay``),
 ``mugrpo sft`` (``sft``) and the warm start inside a train run (``warmstart``):
@@ -8,21 +8,27 @@ first piece of work to the last write.
   (:data:`mugrpo.run_dir.RUN_KINDS`), and the lock; a resume of another kind of run is refused before
   anything is written, naming the command that resumes it;
 - the stop handler (:mod:`mugrpo.stopping`), adopted from the CLI, which installs it before its first
-  heavy import, and held until the last write; :meth:`RunLifecycle.stop_point` between phases;
-- resume (:meth:`RunLifecycle.resume_state`: stale temporaries removed, the newest loadable
-  checkpoint, the metrics beyond it dropped, with the evaluator's own rule for the evaluation at the
-  resumed update, a pending stage-end evaluation included), the checkpoint cadence and the stop after a
-  step (:meth:`RunLifecycle.after_step`), checkpoints (:meth:`RunLifecycle.save`) and the final export
-  (:meth:`RunLifecycle.export`);
+  heavy import, and held until the last write; the stop points between a phase's steps;
 - the command a user is told to run (:func:`mugrpo.run_dir.resume_command`: right for the kind);
 - the way out: whatever it is, registered objects are closed in order and the lock released; a new
-  run that failed with an error keeps nothing it wrote unless that holds work to resume (a checkpoint,
-  stage data, a warm start), so the corrected command can be run again; a stop
+  run that failed with an error keeps nothing it wrote unless that holds work to resume
+  (:meth:`mugrpo.run_dir.RunDir.holds_work`), so the corrected command can be run again; a stop
   (:class:`~mugrpo.stopping.Interrupted`), a full disk (:class:`~mugrpo.run_dir.DiskFullError`: its
   message gives the resume command) and a resume keep everything.
 
+A phase (RL: :class:`mugrpo.training.trainer.Trainer`; the warm start:
+:class:`mugrpo.warmstart.phase.WarmStart`; both :class:`Phase`) runs inside one context,
+``with life.phase() as run: run.run(phase)`` (:class:`PhaseRun`), which takes it through its order:
+a stop point and the claim (a resume, or a run that claims first) or the check that the directory is
+free; once the phase is built, the resume (stale temporaries removed, the newest loadable checkpoint,
+the metric records beyond it dropped by the phase's rule) or, for a new run, the claim; the phase's
+start; the one loop around the step, for both phases (:meth:`PhaseRun.steps`): a checkpoint every
+``checkpoint_every`` global steps, at the end of each of the phase's units (RL: a stage; the warm start:
+the whole phase) and on a stop, which then ends the run; the final export.
+
 Also here, for the CLI: :func:`resume_config` (the config a resumed run trains with) and the checks
-behind it. Not here: what a checkpoint holds (:mod:`mugrpo.kit.checkpoint`), the loops.
+behind it. Not here: what a checkpoint holds (:mod:`mugrpo.kit.checkpoint`), the steps themselves,
+evaluation, stage data.
 """
 
 from __future__ import annotations
@@ -33,16 +39,16 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Protocol
 
 from mugrpo import stopping
 from mugrpo.config import (Config, ConfigError, dump_yaml, from_dict, parse_override, read_config_file,
                            read_run_config, resume_safe_keys, set_value, to_dict, validate)
-from mugrpo.evaluation.schedule import evaluates_at_start
+from mugrpo.faults import maybe_die
 from mugrpo.kit import checkpoint as ckpt
 from mugrpo.kit import distributed as dist
 from mugrpo.kit.checkpoint import RunState
-from mugrpo.run_dir import (CONFIG_FILE, SHARDS_FILE, DiskFullError, RunDir, RunDirError, atomic_write_text,
+from mugrpo.run_dir import (CONFIG_FILE, DiskFullError, RunDir, RunDirError, atomic_write_text,
                             remove_stale_temporaries, resume_command)
 
 RESUME_SAFE_KEYS = resume_safe_keys()  # the fields marked resume_safe in mugrpo.config.schema
@@ -52,11 +58,54 @@ VERB_KINDS = {"rl": ("rl", "replay"), "replay": ("rl", "replay"), "sft": ("sft",
 """The recorded kinds a run of each kind may resume (``mugrpo train --resume`` continues a replay too)."""
 
 
-class RunLifecycle:
-    """One run's hold on its directory (see the module docstring). ``kind``: what this command runs."""
+class Phase(Protocol):
+    """What a phase gives the lifecycle that runs it (:meth:`PhaseRun.run`)."""
 
-    def __init__(self, run_dir: RunDir, cfg, kind: str, resume: bool, world):
+    state: RunState
+    """The phase's position; replaced by the resumed one (a fresh instance of its class without a checkpoint)."""
+    t_start: float
+    """The phase's clock origin (``time.perf_counter()`` less the earlier sessions' seconds), set by :meth:`start`."""
+    total_steps: int
+    """The global step the phase ends at."""
+    checkpoint_every: int | None
+    """A checkpoint every this many global steps (0/None: only at units' ends and on a stop)."""
+
+    def checkpointed(self) -> tuple[Any, Any, Any]:
+        """(policy, optimizer, scheduler): what a checkpoint saves and a resume loads."""
+
+    def kept_after_resume(self, record: dict) -> bool:
+        """Whether a resumed run at ``self.state`` keeps this metric record (the others are dropped)."""
+
+    def on_claim(self) -> None:
+        """A new run has just claimed its directory: write what the phase records at its start."""
+
+    def start(self, run: "PhaseRun") -> None:
+        """Open the logger, print what the run does, set the clock; anything that runs before the first step."""
+
+    def step(self) -> bool:
+        """One optimizer step (``state.update`` counts it), logged; True when it ends one of the phase's units."""
+
+    def end_unit(self) -> None:
+        """Close the unit the last step ended (checkpointed right after)."""
+
+    def more(self) -> bool:
+        """Whether work remains that a stop would abandon (the loop ends at ``total_steps`` regardless)."""
+
+    def finish(self) -> Any:
+        """The phase's end checks; returns the tokenizer to export the model with, or None for no export."""
+
+    def close(self) -> None:
+        """Release what the phase holds (the lifecycle calls it on the way out, whatever the way)."""
+
+
+class RunLifecycle:
+    """One run's hold on its directory (see the module docstring). ``kind``: what this command runs;
+    ``claim_first``: claim the directory at the first phase's start, not once its model has loaded (a run
+    whose first phase is a warm start: its work is what a resume must find)."""
+
+    def __init__(self, run_dir: RunDir, cfg, kind: str, resume: bool, world, claim_first: bool = False):
         self.run_dir, self.cfg, self.kind, self.resume, self.world = run_dir, cfg, kind, resume, world
+        self.claim_first = claim_first
         self.existed = run_dir.path.is_dir()  # a directory found (empty) keeps itself when a failed start is undone
         self.lock = None
         self._closers: list[Callable[[], None]] = []
@@ -72,6 +121,10 @@ class RunLifecycle:
             self.check_kind()
         return self
 
+    def phase(self) -> "PhaseRun":
+        """The context one phase runs in (:class:`PhaseRun`)."""
+        return PhaseRun(self)
+
     def check_kind(self) -> None:
         """Refuse to resume a run of another kind (before anything is written), naming its own command."""
         recorded = self.run_dir.kind() or _inferred_kind(self.run_dir)
@@ -79,12 +132,12 @@ class RunLifecycle:
             raise RunDirError(f"{self.run_dir.path} is a {recorded} run, not one this command continues; nothing "
                               f"was written. Continue it with: {resume_command(self.run_dir.path, recorded)}")
 
-    def check_free(self) -> None:
+    def _check_free(self) -> None:
         """A new run that claims its directory late (after its model loads): fail early if it is taken."""
         if not self.resume:
             check_run_dir_free(self.run_dir.path)
 
-    def claim(self) -> None:
+    def _claim(self) -> None:
         """Check (new run) or read (resume) the directory, write what a run starts with, and lock it;
         from here on a stop names this run's resume command. Idempotent."""
         if self._claimed:
@@ -100,47 +153,20 @@ class RunLifecycle:
     def claimed(self) -> bool:
         return self._claimed
 
-    def stop_point(self) -> None:
-        """A safe point between phases: stop now if a stop was requested (every rank alike)."""
+    def _stop_point(self) -> None:
+        """A safe point between a phase's steps: stop now if a stop was requested (every rank alike)."""
         if dist.max_over_ranks(int(self.stopper.requested)):
             raise stopping.Interrupted(self.run_dir.path if self.claimed else None, self.kind)
 
-    def after_step(self, count: int, every: int | None) -> tuple[bool, bool]:
-        """After a phase's step ``count``: (stop now: a stop was requested on any rank; a checkpoint is
-        due: every ``every`` steps, 0/None never). Ranks may see a signal a step apart: all stop after the
+    def _stop_requested(self) -> bool:
+        """Whether a stop was requested on any rank. Ranks may see a signal a step apart: all stop after the
         step one of them saw it in (the checkpoint is a collective; a rank saving alone would wait in it
-        until parallel.timeout_s). One rule for RL's updates and the warm start's steps."""
-        stop = dist.max_over_ranks(int(self.stopper.requested)) > 0
-        return stop, bool(every) and count % every == 0
+        until parallel.timeout_s)."""
+        return dist.max_over_ranks(int(self.stopper.requested)) > 0
 
     def close_at_exit(self, close: Callable[[], None]) -> None:
         """Run ``close()`` when the lifecycle ends (before the unlock)."""
         self._closers.append(close)
-
-    # -- resume, checkpoints, export --------------------------------------------------------------
-
-    def resume_state(self, policy, optimizer, scheduler, eval_cfg) -> RunState:
-        """Load the newest checkpoint (if any) into the model side; drop the metric records beyond it
-        (all of them without one: the run starts over). Returns the run state to continue from."""
-        if self.world.is_main:
-            for path in remove_stale_temporaries(self.run_dir.path):
-                print(f"[mugrpo] removed {path}, left by an interrupted write")
-        state = ckpt.load_latest(self.run_dir.path, policy, optimizer, scheduler, self.world) or RunState()
-        if self.world.is_main:
-            truncate_metrics(self.run_dir.metrics, state, eval_cfg)
-        return state
-
-    def save(self, policy, optimizer, scheduler, state: RunState, started: float) -> float:
-        """Checkpoint now (``started``: the run's clock origin); returns the seconds it took."""
-        t = time.perf_counter()
-        ckpt.save(self.run_dir.path, policy, optimizer, scheduler, state, self.cfg, self.world,
-                  elapsed_s=t - started)
-        return time.perf_counter() - t
-
-    def export(self, policy, tokenizer) -> Path:
-        """Write the final HF model folder; returns it."""
-        ckpt.export_hf(policy, tokenizer, self.run_dir.final_model, self.world)
-        return self.run_dir.final_model
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         failed_new_run = (isinstance(exc, Exception) and not self.resume and self._claimed
@@ -156,6 +182,103 @@ class RunLifecycle:
             print(f"[mugrpo] removed what this run wrote in {self.run_dir.path}: it failed before writing anything "
                   "to resume from, so the corrected command can be run again")
         return False
+
+
+class PhaseRun:
+    """One phase inside a :class:`RunLifecycle`: entered, a stop point and the claim (a resume, or a run
+    that claims first) or the check that a new run's directory is free; :meth:`run` takes a built phase
+    through the rest of its order (the module docstring)."""
+
+    def __init__(self, life: RunLifecycle):
+        self.life = life
+        self.checkpoint_s = 0.0
+        """Seconds this phase has spent writing checkpoints (a phase reads it to time its units)."""
+
+    @property
+    def run_dir(self) -> RunDir:
+        return self.life.run_dir
+
+    @property
+    def world(self):
+        return self.life.world
+
+    @property
+    def resume(self) -> bool:
+        return self.life.resume
+
+    @property
+    def stopper(self) -> stopping.GracefulStop:
+        return self.life.stopper
+
+    def __enter__(self) -> "PhaseRun":
+        life = self.life
+        life._stop_point()  # a stop during the imports, the data's loading, or between two phases
+        if life.resume or life.claim_first:
+            life._claim()  # before any work: a second process on this run directory stops here
+        else:
+            life._check_free()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return False
+
+    def run(self, phase: Phase) -> Path:
+        """Resume or claim, start, train and export ``phase``; returns the final model folder."""
+        life = self.life
+        maybe_die("model_loaded")
+        life.close_at_exit(phase.close)
+        if life.resume:
+            self._resume(phase)
+        else:
+            life._stop_point()  # a stop while the model loaded: a new run has written nothing yet
+            life._claim()  # a new run: only now that the phase has loaded, so a failed start leaves nothing
+            phase.on_claim()
+        life._stop_point()  # a stop during the start: nothing trained yet, the resume starts here
+        phase.start(self)
+        life._stop_point()  # a stop during the start's work (RL's starting evaluation: the resume runs it)
+        self.steps(phase)
+        tokenizer = phase.finish()
+        if tokenizer is not None:
+            ckpt.export_hf(phase.checkpointed()[0], tokenizer, self.run_dir.final_model, self.world)
+        return self.run_dir.final_model
+
+    def steps(self, phase: Phase) -> None:
+        """The loop around the step, one for every phase: steps until ``phase.total_steps``; a checkpoint at
+        each unit's end, every ``phase.checkpoint_every`` global steps, and on a stop, which then raises
+        Interrupted (a stop at the last step, with nothing left to abandon, lets the phase end)."""
+        state, every = phase.state, phase.checkpoint_every
+        while state.update < phase.total_steps:
+            if phase.step():
+                phase.end_unit()
+                self.save(phase)
+                stop = phase.more() and self.life._stop_requested()
+            else:
+                stop = self.life._stop_requested()
+                if stop or (every and state.update % every == 0):
+                    self.save(phase)
+            if stop:
+                raise stopping.Interrupted(self.run_dir.path)
+
+    def save(self, phase: Phase) -> None:
+        """Checkpoint ``phase`` now (its clock gives the run's seconds so far)."""
+        t = time.perf_counter()
+        policy, optimizer, scheduler = phase.checkpointed()
+        ckpt.save(self.run_dir.path, policy, optimizer, scheduler, phase.state, self.life.cfg, self.world,
+                  elapsed_s=t - phase.t_start)
+        self.checkpoint_s += time.perf_counter() - t
+
+    def _resume(self, phase: Phase) -> None:
+        """Load the newest checkpoint (if any) into the phase, and drop the metric records beyond it (all of
+        them without one: the run starts over)."""
+        world = self.world
+        if world.is_main:
+            for path in remove_stale_temporaries(self.run_dir.path):
+                print(f"[mugrpo] removed {path}, left by an interrupted write")
+        policy, optimizer, scheduler = phase.checkpointed()
+        fresh = type(phase.state)
+        phase.state = ckpt.load_latest(self.run_dir.path, policy, optimizer, scheduler, world, fresh) or fresh()
+        if world.is_main:
+            truncate_metrics(self.run_dir.metrics, phase.state.update, phase.kept_after_resume)
 
 
 def _inferred_kind(run_dir: RunDir) -> str | None:
@@ -184,10 +307,7 @@ def discard_failed_start(run_dir: Path, keep_dir: bool) -> bool:
     take the correction when it changes the experiment. Only for a directory the run found empty
     (``keep_dir``: it existed then, so only its contents go). Returns True if it deleted."""
     run_dir = Path(run_dir)
-    warm = RunDir(RunDir(run_dir).warmstart)  # a warm start's checkpoints or final model are work to resume
-    if not run_dir.is_dir() or any(RunDir(run_dir).checkpoints.glob("ckpt_*")) or any(
-            RunDir(run_dir).stages.glob(f"stage_*/{SHARDS_FILE}")) or any(warm.checkpoints.glob("ckpt_*")) or (
-            warm.final_model.is_dir()):
+    if not run_dir.is_dir() or RunDir(run_dir).holds_work():
         return False
     for path in (list(run_dir.iterdir()) if keep_dir else [run_dir]):
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -302,32 +422,21 @@ def check_resume_compatible(saved: dict, current: dict, source: str = "the run's
                           "different settings")
 
 
-def truncate_metrics(path: Path, state, eval_cfg) -> None:
-    """Drop metric lines from beyond the checkpoint being resumed, so no update or evaluation is logged
-    twice: records past ``state.update``, and the evaluation at ``state.update`` itself when the resumed
-    run evaluates it again at its start (:func:`~mugrpo.evaluation.schedule.evaluates_at_start`;
-    ``eval_cfg``: the resumed run's ``eval`` section). Without a checkpoint (``state.update`` 0) the
-    run starts over, so nothing of it is kept (the same rule for RL and the warm start)."""
+def truncate_metrics(path: Path, update: int, keep: Callable[[dict], bool]) -> None:
+    """Drop the metric lines of a resumed run that ``keep`` (the phase's rule: the records up to the
+    checkpoint, without any the resumed run writes again) refuses, and lines torn by a kill. Without a
+    checkpoint (``update`` 0) the run starts over, so nothing of it is kept (the same rule for every phase)."""
     if not Path(path).is_file():
         return
-    if state.update == 0:
+    if update == 0:
         Path(path).unlink()
         return
-    again = evaluates_at_start(eval_cfg, state)
     kept = []
     for line in Path(path).read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line torn by the kill
             continue
-        if record.get("kind") == "stage":
-            keep = record["stage"] < state.stage
-        elif record.get("kind") == "eval" and record.get("update", 0) == state.update:
-            keep = not again
-        else:
-            keep = record.get("update", 0) <= state.update
-        if keep:
+        if keep(record):
             kept.append(line)
     atomic_write_text(Path(path), "".join(f"{line}\n" for line in kept))
-
-

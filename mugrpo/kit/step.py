@@ -2,7 +2,7 @@
 gradient accumulation, and the clipped (or skipped) optimizer step.
 
 RL (:meth:`mugrpo.training.trainer.Trainer.update`) and the supervised warm start
-(:meth:`mugrpo.warmstart.phase.WarmStart.step`) differ only in the loss of a micro-batch and in what
+(:meth:`mugrpo.warmstart.phase.WarmStart.optimizer_step`) differ only in the loss of a micro-batch and in what
 they sum for their metrics; everything around it is here, written once:
 
 - :func:`device_batches`: the step's micro-batches on the device, padded with filler passes so every

@@ -49,10 +49,10 @@ import torch
 from mugrpo.config import ConfigError
 from mugrpo.observability.progress import Progress
 from mugrpo.kit import distributed as dist
-from mugrpo.kit.checkpoint import RunState
 from mugrpo.stages.data import StageData
 from mugrpo.stages.shards import is_complete
 from mugrpo.stages.sources import build_stage_source
+from mugrpo.stages.state import RLState
 
 
 @dataclass(frozen=True)
@@ -246,10 +246,10 @@ class AheadStages:
         per_stage = self.plan.updates_per_stage if self.plan.num_stages is not None else self.plan.min_updates_per_stage
         return state.update - state.update_in_stage + (t - state.stage) * per_stage
 
-    def _future_state(self, state, t: int) -> RunState:
+    def _future_state(self, state, t: int) -> RLState:
         if t == state.stage:
             return state
-        return RunState(stage=t, update=self._earliest_start(state, t))
+        return RLState(stage=t, update=self._earliest_start(state, t))
 
     # The generating thread. -------------------------------------------------------------------
 

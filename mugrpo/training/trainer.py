@@ -8,11 +8,14 @@ before mu updates when a drift guard trips (:mod:`mugrpo.algo.adaptive`); the ru
 ``total_updates``. With ``rollout.dynamic_sampling`` the generation phase runs in rounds
 and keeps the informative groups (:mod:`mugrpo.algo.dynamic`, :mod:`mugrpo.stages.generation`).
 
-Here: :func:`train` (the loop) and :class:`Trainer`, the one owner of a run's machinery (policy,
-optimizer, scheduler, world, plan, resolved precision, reference model, the rollout parts, logger,
-progress, run state), whose methods are the loop's steps: one optimizer update, a stage's end, a
-checkpoint. Its components are built from the parts they need, not from the trainer: the stage
-source that gives each stage's data (:mod:`mugrpo.stages.sources`: generated, single-turn or
+Here: :func:`train` (an RL run, from its parts to its final model) and :class:`Trainer`, the one owner
+of a run's machinery (policy, optimizer, scheduler, world, plan, resolved precision, reference model,
+the rollout parts, logger, progress, run state: :class:`~mugrpo.stages.state.RLState`). It is the RL
+:class:`~mugrpo.kit.lifecycle.Phase`: the run's lifecycle owns the order (claim, resume, the loop
+around the step with its checkpoints and stops, the export); the trainer's methods are what that
+order calls: one step (the stage's data at its start, then one optimizer update), a stage's end. Its
+components are built from the parts they need, not from the trainer: the stage source that gives each
+stage's data (:mod:`mugrpo.stages.sources`: generated, single-turn or
 trajectories, in one round or dynamic rounds, or replayed) and the evaluator
 (:mod:`mugrpo.training.evaluator`).
 
@@ -20,7 +23,8 @@ What lives elsewhere: the math (:mod:`mugrpo.algo.losses`, :mod:`mugrpo.algo.vet
 :mod:`mugrpo.algo.advantages`); the trainer kit RL shares with the warm start (:mod:`mugrpo.kit`:
 the accumulate-and-step of :mod:`mugrpo.kit.step`, the update's layout and normaliser in
 :mod:`mugrpo.kit.update`, the run's lifecycle, checkpoints, FSDP2); the schedule arithmetic
-(:mod:`mugrpo.config.plan`); how a stage's data is made and kept (:mod:`mugrpo.stages`); engines
+(:mod:`mugrpo.config.plan`); how a stage's data is made and kept, and RL's position in a run
+(:mod:`mugrpo.stages`); engines
 (:mod:`mugrpo.rollout.engines`). A warm start before RL is run above this module
 (:mod:`mugrpo.pipeline`), which never imports the warm start. The layers: docs/ARCHITECTURE.md.
 """
@@ -47,9 +51,8 @@ from mugrpo.rollout.tasks import Task, build_task
 from mugrpo.faults import maybe_die, should_poison
 from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.kit import distributed as dist
-from mugrpo.kit.checkpoint import RunState
 from mugrpo.kit.forward import response_logprobs, shared_prefix_support
-from mugrpo.kit.lifecycle import RunLifecycle
+from mugrpo.kit.lifecycle import PhaseRun
 from mugrpo.kit.model_parts import ModelParts, TrainingError, build_model, build_optimizer  # noqa: F401
 from mugrpo.kit.step import accumulate, check_some_steps_applied, device_batches, step_optimizer
 from mugrpo.kit.update import StepSettings, normaliser, ratio_inputs
@@ -61,7 +64,7 @@ from mugrpo.stages.data import StageData
 from mugrpo.stages.samplers import RolloutParts
 from mugrpo.stages.shards import rank_update_groups
 from mugrpo.stages.sources import StageSource, build_stage_source, build_store
-from mugrpo.stopping import Interrupted
+from mugrpo.stages.state import RLState, kept_after_resume
 from mugrpo.training.evaluator import TrainingEvaluator
 
 
@@ -70,55 +73,31 @@ MAX_TURN_BUCKETS = 8
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop.
+# The RL phase of a run.
 
 
-def train(cfg: Config, life: RunLifecycle, task: Task | None = None, replay: str | Path | None = None,
+def train(cfg: Config, run: PhaseRun, task: Task | None = None, replay: str | Path | None = None,
           model_path: str | None = None) -> Path:
-    """Run (or resume) the RL run that ``life`` holds; returns the final model folder. The run's kind,
-    its warm start and its directory's claim are decided above (:func:`mugrpo.pipeline.train`).
+    """Run (or resume) the RL phase of the run that ``run`` holds; returns the final model folder. The run's
+    kind and its warm start are decided above (:func:`mugrpo.pipeline.train`); the order of the phase's
+    steps is the lifecycle's (:meth:`mugrpo.kit.lifecycle.PhaseRun.run`).
 
     ``task``: one built from data given in Python (:func:`mugrpo.api.train`); else ``cfg.task``'s.
     ``replay``: a run directory whose stages this run trains on instead of generating its own
     (:mod:`mugrpo.stages.replay`; a resumed run replays the source it recorded). ``model_path``: the
     model to start from instead of ``model.name`` (a warm start's final model)."""
-    world, rd = life.world, life.run_dir
+    world, rd = run.world, run.run_dir
     plan = make_plan(cfg, world.size)
-    if life.resume and replay is not None:
+    if run.resume and replay is not None:
         raise replay_mod.ReplayError("--replay starts a new run; a resumed run replays the source it recorded "
                                      f"({rd.replay}): drop --replay")
     source = replay_mod.check_source(replay, cfg, world.size) if replay is not None else None
     resolved = resolve(cfg.train.autocast, cfg.rollout.dtype, cfg.rollout.engine, detect())
-    if life.resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
+    if run.resume:  # a resumed replay keeps replaying the source it recorded (checked when a stage is copied)
         source = replay_mod.recorded_source(rd.path)
     trainer = Trainer.build(cfg, plan, world, resolved, task, rd, replay=source, model_path=model_path)
-    trainer.life = life
-    maybe_die("model_loaded")
-    life.close_at_exit(trainer.close)
-    if life.resume:
-        trainer.resume()
-    else:
-        life.stop_point()  # a stop while the model loaded: a new run has written nothing yet
-        life.claim()  # (a new run: only now that model, task and engine have loaded, so a failed start leaves nothing)
-        if source is not None and world.is_main:
-            replay_mod.record_source(rd.path, source)
-    life.stop_point()  # a stop during the start: nothing trained yet, the resume starts here
-    trainer.start()
-    stopper = life.stopper
-    trainer.evaluator.stopper = stopper
-    trainer.evaluator.maybe_run(trainer.state)  # the initial policy (eval.at_start)
-    life.stop_point()  # a stop that abandoned the starting evaluation: the resume runs it
-    while trainer.state.update < plan.total_updates:  # by updates: adaptive stages vary in number
-        data, stage_metrics = trainer.source.stage(trainer.state, stopper)
-        reason, optimize_s = trainer.optimise_stage(data, stage_metrics)
-        if reason is None:  # stopped mid-stage, checkpointed
-            raise Interrupted(rd.path)
-        trainer.end_stage(reason, data, stage_metrics, optimize_s)
-        # (at the last stage too, when a stop abandoned its evaluation: the resume runs it, then exports)
-        more = trainer.state.update < plan.total_updates or trainer.state.eval_pending
-        if more and life.after_step(trainer.state.update, None)[0]:
-            raise Interrupted(rd.path)
-    return trainer.finish()
+    trainer.replay_source = None if run.resume else source
+    return run.run(trainer)
 
 
 def step_settings(cfg: Config, resolved: Resolved | None = None) -> StepSettings:
@@ -155,23 +134,27 @@ class Trainer:
     source: StageSource | None = None
     """Where each stage's data comes from (:mod:`mugrpo.stages.sources`)."""
     run_dir: RunDir | None = None
-    state: RunState = field(default_factory=RunState)
+    state: RLState = field(default_factory=RLState)
     logger: Any = field(default_factory=NullLogger)
     progress: Progress = field(default_factory=lambda: Progress(enabled=False))
     evaluator: Any = None
     t_start: float = field(default_factory=time.perf_counter)
-    step: StepSettings = field(init=False)
-    ckpt_s: float = 0.0
-    """Checkpoint seconds inside the current stage's wall-clock interval (from the previous stage
-    record to this one, so the previous stage-end checkpoint counts here)."""
-
-    life: RunLifecycle | None = None
-    """The run's lifecycle: resume, checkpoints, export (None: single updates only)."""
+    settings: StepSettings = field(init=False)
+    """The update step's settings (:func:`step_settings`)."""
+    run: PhaseRun | None = None
+    """The lifecycle context the phase runs in (None: single updates only)."""
+    replay_source: Any = None
+    """A new replay run's source, recorded in the run directory once it is claimed."""
+    current_stage: Any = None
+    """The current stage: its data and metrics, and the clocks of its optimisation (None between stages)."""
+    ckpt_mark: float = 0.0
+    """The run's checkpoint seconds at the previous stage record: a stage's ``perf/checkpoint_s`` is the
+    checkpoint time since (so the previous stage-end checkpoint counts in the next stage)."""
 
     def __post_init__(self):
         cfg = self.cfg
         self.resolved = self.resolved or resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect())
-        self.step = step_settings(cfg, self.resolved)
+        self.settings = step_settings(cfg, self.resolved)
 
     @classmethod
     def build(cls, cfg: Config, plan: Plan, world, resolved: Resolved, task: Task | None, run_dir: RunDir,
@@ -194,21 +177,39 @@ class Trainer:
         progress = Progress(enabled=cfg.train.progress and world.is_main)
         trainer = cls(cfg, plan, world, policy, m.optimizer, m.scheduler, device=m.device, resolved=resolved,
                       ref_model=m.ref_model, parts=parts, run_dir=run_dir, progress=progress)
-        store = build_store(cfg, world, parts, run_dir, trainer.step)
+        store = build_store(cfg, world, parts, run_dir, trainer.settings)
         if cfg.schedule.async_stages:  # stages generated ahead, in a thread (mugrpo.stages.ahead)
             trainer.source = ahead.build_ahead_source(cfg, plan, world, parts, policy, store, replay)
         else:
             trainer.source = build_stage_source(cfg, plan, world, parts, policy, store, progress, replay)
         return trainer
 
-    def resume(self) -> None:
-        """Load the newest checkpoint (if any) into the policy, optimizer, scheduler and state."""
-        self.state = self.life.resume_state(self.policy, self.optimizer, self.scheduler, self.cfg.eval)
+    # -----------------------------------------------------------------------------------------
+    # The phase, as the lifecycle runs it (mugrpo.kit.lifecycle.PhaseRun.run).
 
-    def start(self) -> None:
-        """Open the logger, print the plan (and what the environment is, as ``mugrpo plan`` says it), and
-        set up evaluation."""
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_updates  # by updates: adaptive stages vary in number
+
+    @property
+    def checkpoint_every(self) -> int:
+        return self.cfg.checkpoint.every_updates
+
+    def checkpointed(self) -> tuple:
+        return self.policy, self.optimizer, self.scheduler
+
+    def kept_after_resume(self, record: dict) -> bool:
+        return kept_after_resume(self.cfg.eval, self.state)(record)
+
+    def on_claim(self) -> None:
+        if self.replay_source is not None and self.world.is_main:
+            replay_mod.record_source(self.run_dir.path, self.replay_source)
+
+    def start(self, run: PhaseRun) -> None:
+        """Open the logger, print the plan (and what the environment is, as ``mugrpo plan`` says it), set up
+        evaluation and evaluate the initial policy (``eval.at_start``; a resumed run: what it evaluates again)."""
         cfg, world = self.cfg, self.world
+        self.run = run
         self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
         if world.is_main:
             print(format_plan(self.plan, cfg, self.resolved))
@@ -221,58 +222,58 @@ class Trainer:
         self.t_start = time.perf_counter() - self.state.elapsed_s
         self.evaluator = TrainingEvaluator(cfg, self.plan, world, self.parts, self.policy, self.logger, self.progress,
                                            clock=lambda: time.perf_counter() - self.t_start)
-
-    def save(self) -> float:
-        """Checkpoint now; returns the seconds it took."""
-        return self.life.save(self.policy, self.optimizer, self.scheduler, self.state, self.t_start)
+        self.evaluator.stopper = run.stopper
+        self.evaluator.maybe_run(self.state)  # the initial policy (eval.at_start)
 
     def log(self, kind: str, metrics: dict, update_in_stage: int) -> None:
         s = self.state
         self.logger.log({"kind": kind, "stage": s.stage, "update": s.update, "update_in_stage": update_in_stage,
                          "time_s": time.perf_counter() - self.t_start, **metrics})
 
-    def optimise_stage(self, data: StageData, stage_metrics: dict) -> tuple[str | None, float]:
-        """The stage's updates, until it ends (returns why) or a stop is requested (returns None, after a
-        checkpoint); also the optimisation seconds, checkpoints and in-loop evaluations excluded."""
+    def step(self) -> bool:
+        """One optimizer update, logged, with the in-loop evaluation; at a stage's start, the stage's data
+        first. True when the update ends the stage (why: ``self.stage.reason``, :mod:`mugrpo.algo.adaptive`)."""
         cfg, plan, state = self.cfg, self.plan, self.state
-        t_opt, ckpt_in_opt_s = time.perf_counter(), 0.0
+        if self.current_stage is None:
+            self.current_stage = self._begin_stage()
+        st = self.current_stage
+        t_update = time.perf_counter()
+        metrics = self.update(st.data)
+        state.update += 1
+        state.update_in_stage += 1
+        metrics.update({"perf/update_s": time.perf_counter() - t_update,
+                        "stage/staleness": state.update_in_stage - 1})
+        if state.update_in_stage == 1:  # in the checkpoint: a resume past this update still has it
+            value = metrics.get("loss/log_ratio_abs_mean")
+            state.stage_first_log_ratio = None if value is None else float(value)
+        st.reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, st.max_length)
+        self.log("update", metrics, update_in_stage=state.update_in_stage - 1)
+        self.progress.update(st.bar, metrics)
+        maybe_die("update")
+        self.evaluator.maybe_run(state, stage_ends=st.reason is not None)
+        return st.reason is not None
+
+    def _begin_stage(self) -> "_Stage":
+        state, plan = self.state, self.plan
+        data, metrics = self.source.stage(state, self.run.stopper)
         max_length = stage_length(plan.updates_per_stage, plan.total_updates, state.update - state.update_in_stage)
         bar = self.progress.bar(max_length, f"stage {state.stage} optimise", initial=state.update_in_stage)
-        reason = None  # why the stage ends, decided after each update and before any checkpoint
-        while reason is None:
-            t_update = time.perf_counter()
-            metrics = self.update(data)
-            state.update += 1
-            state.update_in_stage += 1
-            metrics.update({"perf/update_s": time.perf_counter() - t_update,
-                            "stage/staleness": state.update_in_stage - 1})
-            if state.update_in_stage == 1:  # in the checkpoint: a resume past this update still has it
-                value = metrics.get("loss/log_ratio_abs_mean")
-                state.stage_first_log_ratio = None if value is None else float(value)
-            reason = end_reason(cfg.schedule, metrics, state.update_in_stage, plan.updates_per_stage, max_length)
-            self.log("update", metrics, update_in_stage=state.update_in_stage - 1)
-            self.progress.update(bar, metrics)
-            maybe_die("update")
-            self.evaluator.maybe_run(state, stage_ends=reason is not None)
-            interrupted, due = self.life.after_step(state.update_in_stage, cfg.checkpoint.every_updates)
-            if (due or interrupted) and reason is None:  # a stage's end is checkpointed by end_stage
-                seconds = self.save()
-                self.ckpt_s += seconds
-                ckpt_in_opt_s += seconds
-            if interrupted:
-                break
-        self.progress.close(bar)
-        return reason, time.perf_counter() - t_opt - self.evaluator.in_loop_s - ckpt_in_opt_s
+        return _Stage(data, metrics, max_length, bar, time.perf_counter(), self.run.checkpoint_s)
 
-    def end_stage(self, reason: str, data: StageData, stage_metrics: dict, optimize_s: float) -> None:
-        """Log the stage record, move to the next stage and checkpoint its start."""
-        state = self.state
+    def end_unit(self) -> None:
+        """The stage's end: log the stage record (with the optimisation seconds, checkpoints and in-loop
+        evaluations excluded) and move to the next stage (checkpointed next by the lifecycle)."""
+        st, state = self.current_stage, self.state
+        self.progress.close(st.bar)
+        optimize_s = (time.perf_counter() - st.t_opt - self.evaluator.in_loop_s
+                      - (self.run.checkpoint_s - st.checkpoint_s_at_start))
+        stage_metrics = st.metrics
         # With trainer log-probs already set at the stage's start (mugrpo.stages.tis).
         stage_metrics.setdefault("stage/engine_logprob_mismatch", state.stage_first_log_ratio)
-        stage_metrics.update(_stage_end_metrics(reason, state, data, self.plan, self.world))
+        stage_metrics.update(_stage_end_metrics(st.reason, state, st.data, self.plan, self.world))
         stage_metrics["perf/optimize_s"] = optimize_s
         stage_metrics["perf/eval_s"] = self.evaluator.finish_stage(state)
-        stage_metrics["perf/checkpoint_s"] = self.ckpt_s
+        stage_metrics["perf/checkpoint_s"] = self.run.checkpoint_s - self.ckpt_mark
         stage_metrics.update(getattr(self.source, "stage_end_metrics", dict)())  # async: idle fractions (ahead.py)
         self.log("stage", stage_metrics, update_in_stage=state.update_in_stage)
         if self.world.is_main:
@@ -280,15 +281,19 @@ class Trainer:
         state.stage += 1
         state.update_in_stage = 0
         state.stage_first_log_ratio = None
-        self.ckpt_s = self.save()
+        self.ckpt_mark = self.run.checkpoint_s  # the stage-end checkpoint counts in the next stage
+        self.current_stage = None
 
-    def finish(self) -> Path:
-        """Check the run changed the policy, and export the final model; returns its folder."""
+    def more(self) -> bool:
+        # (at the last stage too, when a stop abandoned its evaluation: the resume runs it, then exports)
+        return self.state.update < self.plan.total_updates or self.state.eval_pending
+
+    def finish(self):
+        """Check the run changed the policy; the tokenizer to export with (None: ``train.save_final_model``
+        is off)."""
         check_some_steps_applied(self.state, "updates", "Check the rewards (reward/num_invalid, "
                                  "stages/*/rollouts.jsonl), lower optim.lr, or turn off train.autocast")
-        if self.cfg.train.save_final_model:
-            return self.life.export(self.policy, self.parts.tokenizer)
-        return self.run_dir.final_model
+        return self.parts.tokenizer if self.cfg.train.save_final_model else None
 
     def close(self) -> None:
         engine = self.parts.engine if self.parts is not None else None
@@ -308,7 +313,7 @@ class Trainer:
         encoded once, and micro-batches are cut by tokens. The normaliser still counts every sequence
         of the update (:func:`mugrpo.kit.update.normaliser`).
         """
-        state, world, step, device = self.state, self.world, self.step, self.device
+        state, world, step, device = self.state, self.world, self.settings, self.device
         groups = rank_update_groups(data, self.plan.prompts_per_update // world.size, state.update_in_stage,
                                     self.cfg.train.seed, state.stage)
         seqs = [g * data.group_size + j for g in groups for j in range(data.group_size)]
@@ -332,7 +337,7 @@ class Trainer:
         return self._optimizer_step(dist.sum_metrics(summed))
 
     def _micro_batch_loss(self, mb, denominator) -> tuple[torch.Tensor, dict]:
-        step = self.step
+        step = self.settings
         logprobs, entropy = response_logprobs(self.policy, mb, step.temperature, step.autocast, True,
                                               step.loss.entropy_coef > 0)
         ref_logprobs = None
@@ -361,7 +366,21 @@ class Trainer:
         return out
 
 
-def _stage_end_metrics(reason: str, state: RunState, data: StageData, plan: Plan, world) -> dict:
+@dataclass(eq=False)
+class _Stage:
+    """The stage being optimised: its data and generation metrics, its longest length (adaptive stages may
+    end sooner), its progress bar, and the clocks of its optimisation."""
+
+    data: StageData
+    metrics: dict
+    max_length: int
+    bar: Any
+    t_opt: float
+    checkpoint_s_at_start: float
+    reason: str | None = None
+
+
+def _stage_end_metrics(reason: str, state: RLState, data: StageData, plan: Plan, world) -> dict:
     """How the stage ended (:mod:`mugrpo.algo.adaptive`) and how much of its data the updates drew:
     ``stage/passes_used`` = prompt groups drawn / groups in the stage (below 1: some never used)."""
     num_groups = float(dist.sum_over_ranks(torch.tensor([float(data.num_groups)]))[0])

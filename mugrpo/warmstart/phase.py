@@ -3,21 +3,23 @@
 :func:`sft` runs (or resumes) a warm-start run: ``mugrpo sft`` (kind ``sft``), or the warm start of a
 ``mugrpo train`` run with ``warmstart.data`` (kind ``warmstart``, in ``RUN_DIR/warmstart/``; run by
 :mod:`mugrpo.pipeline`, above both this phase and RL). :class:`WarmStart` is the phase itself: built
-from the config, it owns the model side, the examples and the run state, and its
-:meth:`WarmStart.step` is one optimizer step.
+from the config, it owns the model side, the examples (:class:`ExampleSet`) and the run state; its
+:meth:`WarmStart.step` is one optimizer step, and the run's lifecycle takes it through its order
+(:class:`~mugrpo.kit.lifecycle.PhaseRun`: claim, resume, the loop around the step with its checkpoints
+and stops, the export).
 
 What is shared with RL, not written twice (the trainer kit, :mod:`mugrpo.kit`): the model side
 (:func:`~mugrpo.kit.model_parts.build_model`: tokenizer checks, LoRA, FSDP2, AdamW and its schedule),
-the data layout (the examples become a :class:`~mugrpo.stages.data.StageData` of groups of one, cut by
+the data layout (the examples, an :class:`ExampleSet` of groups of one, cut by
 :func:`~mugrpo.kit.batching.micro_batches` under ``schedule.micro_batch_tokens``), the forward
 (:func:`~mugrpo.kit.forward.response_logprobs`, at temperature 1.0, not the RL temperature), the
 accumulate-and-step with its filler passes and non-finite skip (:mod:`mugrpo.kit.step`), the seeded
 data order (:func:`~mugrpo.kit.order.step_examples`), the run's lifecycle (claim, lock, stop,
-resume, checkpoints, export: :mod:`mugrpo.kit.lifecycle`), and the logger. What is its own: the loss
+resume, the loop with its checkpoints, export: :mod:`mugrpo.kit.lifecycle`), and the logger. What is its own: the loss
 (:mod:`mugrpo.warmstart.loss`).
 
 A policy turn a demonstration marks ``train: false`` gets the environment's turn index (-1) in the
-stage data, so ``MicroBatch.response_mask`` (``turns >= 0``) leaves it out of the loss, as it leaves
+examples' turns, so ``MicroBatch.response_mask`` (``turns >= 0``) leaves it out of the loss, as it leaves
 environment tokens out.
 """
 
@@ -42,13 +44,11 @@ from mugrpo.run_dir import RunDir
 from mugrpo.kit import distributed as dist
 from mugrpo.kit.checkpoint import RunState
 from mugrpo.kit.forward import response_logprobs
-from mugrpo.kit.lifecycle import RunLifecycle
+from mugrpo.kit.lifecycle import PhaseRun, RunLifecycle
 from mugrpo.kit.model_parts import ModelParts, build_model
 from mugrpo.kit.order import step_examples
 from mugrpo.kit.step import accumulate, check_some_steps_applied, device_batches, step_optimizer
-from mugrpo.stages.data import StageData
 from mugrpo import stopping
-from mugrpo.stopping import Interrupted
 from mugrpo.warmstart import guard
 from mugrpo.warmstart.data import DemonstrationError
 from mugrpo.warmstart.loss import num_steps, sft_loss
@@ -60,14 +60,32 @@ SFT_TEMPERATURE = 1.0
 ``rollout.temperature`` RL samples with."""
 
 
-def as_stage_data(examples: list[Example]) -> StageData:
-    """``examples`` as stage data of groups of one: the trained tokens are ``turns >= 0`` (an
-    untrained policy turn gets :data:`ENV_TURN`); log-probs, rewards and advantages are unused zeros."""
-    n = len(examples)
-    turns = [[t if m else ENV_TURN for t, m in zip(e.turns, e.response_mask)] for e in examples]
-    return StageData([e.prompt_ids for e in examples], [e.response_ids for e in examples],
-                     [[0.0] * len(e.response_ids) for e in examples], torch.zeros(n), torch.zeros(n),
-                     torch.ones(n, dtype=torch.bool), list(range(n)), 1, turns=turns)
+@dataclass(frozen=True)
+class ExampleSet:
+    """The warm start's examples as the kit lays them out (:class:`mugrpo.kit.batching.Sequences`): one
+    prompt per response (groups of one), the trained tokens those with ``turns >= 0`` (an untrained
+    policy turn gets :data:`ENV_TURN`); no log-probs, rewards or advantages (the loss reads none)."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    turns: list[list[int]]
+    group_size: int = 1
+    behavior_logprobs = None
+    trainer_logprobs = None
+    advantages = None
+
+    @classmethod
+    def of(cls, examples: list[Example]) -> "ExampleSet":
+        return cls([e.prompt_ids for e in examples], [e.response_ids for e in examples],
+                   [[t if m else ENV_TURN for t, m in zip(e.turns, e.response_mask)] for e in examples])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompts)
+
+    def num_policy_tokens(self, s: int) -> int:
+        """Trained tokens of example ``s``: what the step's normaliser counts."""
+        return sum(1 for k in self.turns[s] if k >= 0)
 
 
 def load(cfg: Config, rows: list | None = None) -> Source:
@@ -79,22 +97,23 @@ def load(cfg: Config, rows: list | None = None) -> Source:
 
 @dataclass(eq=False)
 class WarmStart:
-    """One warm start's machinery and state; :meth:`run` is its loop, :meth:`step` one optimizer step."""
+    """One warm start's machinery and state: a :class:`~mugrpo.kit.lifecycle.Phase` (the lifecycle runs its
+    loop), :meth:`step` one optimizer step. Its one unit is the whole warm start."""
 
     cfg: Config
     world: Any
     model: ModelParts
-    data: StageData
+    data: ExampleSet
     total_steps: int
     run_dir: RunDir
     autocast: bool = False
     counts: dict = field(default_factory=dict)
     """The length rule's counts (:func:`mugrpo.warmstart.render.render_demonstrations`)."""
-    life: RunLifecycle | None = None
-    """The run's lifecycle: resume, checkpoints, export (None: single steps only)."""
     state: RunState = field(default_factory=RunState)
     logger: Any = field(default_factory=NullLogger)
+    progress: Progress = field(default_factory=lambda: Progress(enabled=False))
     t_start: float = field(default_factory=time.perf_counter)
+    _bar: Any = None
 
     @classmethod
     def build(cls, cfg: Config, world, run_dir: RunDir, source: Source) -> "WarmStart":
@@ -112,7 +131,7 @@ class WarmStart:
 
         def on_row() -> None:
             ticker.advance(1)
-            if world.size == 1:  # ranks: checked after the build, all alike (RunLifecycle.stop_point)
+            if world.size == 1:  # ranks: checked after the build, all alike (the lifecycle's stop point)
                 stopping.check()
 
         examples, counts = source.examples(tokenizer, max_length, on_row)
@@ -133,10 +152,63 @@ class WarmStart:
         plan = dataclasses.replace(make_plan(cfg, world.size), total_updates=total)
         model = build_model(dataclasses.replace(cfg, optim=optim), plan, world, with_ref=False, model_path=model_path)
         autocast = resolve(cfg.train.autocast, cfg.rollout.dtype, "hf", detect()).autocast == "bf16"
-        return cls(cfg, world, model, as_stage_data(examples), total, run_dir, autocast, counts)
+        return cls(cfg, world, model, ExampleSet.of(examples), total, run_dir, autocast, counts)
 
-    def step(self) -> dict:
-        """One optimizer step on this step's examples (:func:`mugrpo.kit.order.step_examples`)."""
+    @property
+    def checkpoint_every(self) -> int | None:
+        return self.cfg.warmstart.checkpoint_every
+
+    def checkpointed(self) -> tuple:
+        return self.model.policy, self.model.optimizer, self.model.scheduler
+
+    def kept_after_resume(self, record: dict) -> bool:
+        """The records of the steps up to the checkpoint (and the data record, update 0)."""
+        return record.get("update", 0) <= self.state.update
+
+    def on_claim(self) -> None:
+        pass
+
+    def start(self, run: PhaseRun) -> None:
+        """Open the logger (and log the data's counts in a new run), start the clock and the progress bar."""
+        cfg, world = self.cfg, self.world
+        self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
+        self.t_start = time.perf_counter() - self.state.elapsed_s
+        if self.state.update == 0:
+            self.logger.log({"kind": "sft_data", **self.counts, "num_steps": self.total_steps})
+        self.progress = Progress(enabled=cfg.train.progress and world.is_main)
+        self._bar = self.progress.bar(self.total_steps, "warm start", unit="step", initial=self.state.update)
+
+    def step(self) -> bool:
+        """One optimizer step, logged (a line per step without bars) and guarded (a warm start mostly skipped
+        or diverged stops: :mod:`mugrpo.warmstart.guard`); True at the last step."""
+        cfg, state = self.cfg, self.state
+        t_step = time.perf_counter()
+        metrics = self.optimizer_step()
+        state.update += 1
+        if self.world.is_main and not self.progress.enabled:
+            print(guard.step_line(state.update, self.total_steps, metrics, time.perf_counter() - t_step), flush=True)
+        self.logger.log({"kind": "sft", "stage": 0, "update": state.update,
+                         "time_s": time.perf_counter() - self.t_start, **metrics})
+        self.progress.advance(self._bar, 1)
+        guard.check_step(state.update, self.total_steps, metrics["sft/loss"], state.num_skipped_updates,
+                         len(self.model.tokenizer), cfg.warmstart.lr)
+        maybe_die("sft_step")
+        return state.update >= self.total_steps
+
+    def end_unit(self) -> None:
+        """The warm start's end (checkpointed next: a resume after the export finds nothing left to do)."""
+        self.progress.close(self._bar)
+        check_some_steps_applied(self.state, "warm-start steps", "Lower warmstart.lr or set train.autocast=none")
+
+    def more(self) -> bool:
+        return self.state.update < self.total_steps
+
+    def finish(self):
+        """The tokenizer the final model is exported with."""
+        return self.model.tokenizer
+
+    def optimizer_step(self) -> dict:
+        """One optimizer step on this step's examples (:func:`mugrpo.kit.order.step_examples`); its metrics."""
         cfg, m = self.cfg, self.model
         seqs = step_examples(self.data.num_groups, cfg.warmstart.batch_size, self.state.update, cfg.train.seed)
         mean_nll, num_tokens = self.gradients(seqs)
@@ -171,51 +243,6 @@ class WarmStart:
         nll, covered = dist.sum_over_ranks(torch.stack([nll, covered])).tolist()
         return nll / max(num_tokens, 1.0), covered
 
-    def resume(self) -> None:
-        """Load the newest checkpoint (if any) and drop metric records from beyond it (all of them without one)."""
-        m = self.model
-        self.state = self.life.resume_state(m.policy, m.optimizer, m.scheduler, self.cfg.eval)
-
-    def save(self) -> None:
-        m = self.model
-        self.life.save(m.policy, m.optimizer, m.scheduler, self.state, self.t_start)
-
-    def run(self) -> Path:
-        """Steps until ``total_steps`` (checkpointing every ``warmstart.checkpoint_every`` and on a stop
-        request, which then raises Interrupted: :meth:`RunLifecycle.after_step`), then export the final
-        model; returns its folder."""
-        cfg, state, world = self.cfg, self.state, self.world
-        self.logger = make_logger(cfg, self.run_dir.path) if world.is_main else NullLogger()
-        self.t_start = time.perf_counter() - state.elapsed_s
-        if state.update == 0:
-            self.logger.log({"kind": "sft_data", **self.counts, "num_steps": self.total_steps})
-        progress = Progress(enabled=cfg.train.progress and world.is_main)
-        bar = progress.bar(self.total_steps, "warm start", unit="step", initial=state.update)
-        while state.update < self.total_steps:
-            t_step = time.perf_counter()
-            metrics = self.step()
-            state.update += 1
-            state.update_in_stage = state.update
-            # a line per step without bars; stop a warm start mostly skipped or diverged (warmstart/guard.py)
-            if world.is_main and not progress.enabled:
-                print(guard.step_line(state.update, self.total_steps, metrics, time.perf_counter() - t_step),
-                      flush=True)
-            self.logger.log({"kind": "sft", "stage": 0, "update": state.update,
-                             "time_s": time.perf_counter() - self.t_start, **metrics})
-            progress.advance(bar, 1)
-            guard.check_step(state.update, self.total_steps, metrics["sft/loss"], state.num_skipped_updates,
-                             len(self.model.tokenizer), cfg.warmstart.lr)
-            maybe_die("sft_step")
-            stop, due = self.life.after_step(state.update, cfg.warmstart.checkpoint_every)
-            if state.update < self.total_steps and (stop or due):
-                self.save()
-                if stop:
-                    raise Interrupted(self.run_dir.path)
-        progress.close(bar)
-        check_some_steps_applied(state, "warm-start steps", "Lower warmstart.lr or set train.autocast=none")
-        self.save()  # the end: a resume after the export finds nothing left to do
-        return self.life.export(self.model.policy, self.model.tokenizer)
-
     def close(self) -> None:
         self.logger.close()
 
@@ -230,19 +257,5 @@ def sft(cfg: Config, run_dir: Path, resume: bool = False, rows: list | None = No
     rd = RunDir(dist.broadcast_object(run_dir))  # rank 0's: a default name holds the time, which ranks may not share
     with RunLifecycle(rd, cfg, kind, resume, world) as life:  # a resume of another kind stops here, nothing written
         source = load(cfg, rows)  # bad data stops here, before any model loads or anything is written
-        life.stop_point()  # a stop while the data rendered: nothing written yet for a new run
-        if resume:
-            life.claim()
-        else:
-            life.check_free()
-        phase = WarmStart.build(cfg, world, rd, source)
-        phase.life = life
-        maybe_die("model_loaded")
-        life.close_at_exit(phase.close)
-        if resume:
-            phase.resume()
-        else:
-            life.stop_point()
-            life.claim()
-        life.stop_point()  # a stop while the examples rendered or the model loaded
-        return phase.run()
+        with life.phase() as run:  # (a stop while the data rendered: nothing written yet for a new run)
+            return run.run(WarmStart.build(cfg, world, rd, source))

@@ -95,9 +95,9 @@ def test_prompt_limit_policies():
 
 
 def _State(stage, update, update_in_stage):
-    from mugrpo.kit.checkpoint import RunState
+    from mugrpo.stages.state import RLState
 
-    return RunState(stage=stage, update=update, update_in_stage=update_in_stage)
+    return RLState(stage=stage, update=update, update_in_stage=update_in_stage)
 
 
 def _simulate(overrides):

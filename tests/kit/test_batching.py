@@ -16,7 +16,8 @@ from mugrpo.kit.distributed import World
 from mugrpo.kit.forward import response_logprobs, shared_prefix_support
 from mugrpo.models.loading import load_policy
 from mugrpo.config.plan import make_plan
-from mugrpo.training.trainer import RunState, Trainer
+from mugrpo.stages.state import RLState
+from mugrpo.training.trainer import Trainer
 
 FP64_TOL = 1e-12
 """Relative tolerance of the float64 comparisons. Two equally valid float64 summation orders differ by
@@ -190,7 +191,7 @@ def _update(tiny_model_dir, data, overrides, optimizer_cls=torch.optim.SGD, poli
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = [p.detach().clone() for p in policy.parameters()]
     trainer = Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"),
-                      state=RunState(stage=0, update_in_stage=0))
+                      state=RLState(stage=0, update_in_stage=0))
     metrics = trainer.update(data)
     return [b - p.detach() for b, p in zip(before, policy.parameters())], metrics
 

@@ -1,17 +1,23 @@
 """A run's lifecycle (mugrpo.kit.lifecycle, mugrpo.stopping, mugrpo.run_dir.resume_command): every kind of
 run records its kind and is told the command that resumes it; a resume of another kind is refused before
 anything is written; a stop in any phase, from the CLI's first second, ends in a message and a resumable
-run directory."""
+run directory; the one loop around the step checkpoints by the global step, at each unit's end and on a stop."""
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import TESTS, TINY_OVERRIDES
 from safetensors.torch import load_file
 
+from mugrpo.config import load_config
+from mugrpo.kit.checkpoint import RunState
+from mugrpo.kit.distributed import World
+from mugrpo.kit.lifecycle import RunLifecycle
 from mugrpo.run_dir import RunDir, resume_command
+from mugrpo.stopping import Interrupted
 
 DEMOS = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "11111"}]}
          for i in range(4)]
@@ -129,3 +135,57 @@ def test_a_stop_inside_the_warm_start_of_a_train_run_names_the_train_run(tiny_mo
     assert r.returncode == 130, r.stderr[-2000:]
     assert f"Resume with: mugrpo train --resume {run}" in r.stderr  # not the sub-run's folder
     assert f"--resume {run / 'warmstart'}" not in r.stderr
+
+
+class _CountingPhase:
+    """A phase of ``total`` steps in units of ``unit`` steps (the last unit may be shorter), on a one-layer
+    model: what the loop around the step needs, and a record of what it was asked to do."""
+
+    def __init__(self, total, unit, every, stop_after=None, stopper=None):
+        self.state, self.t_start, self.total_steps, self.checkpoint_every = RunState(), 0.0, total, every
+        self.unit, self.stop_after, self.stopper, self.ended = unit, stop_after, stopper, []
+        self.policy = torch.nn.Linear(2, 2)
+        self.optimizer = torch.optim.SGD(self.policy.parameters(), lr=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 1.0)
+
+    def checkpointed(self):
+        return self.policy, self.optimizer, self.scheduler
+
+    def step(self):
+        self.state.update += 1
+        if self.state.update == self.stop_after:
+            self.stopper.requested = True
+        return self.state.update % self.unit == 0 or self.state.update == self.total_steps
+
+    def end_unit(self):
+        self.ended.append(self.state.update)
+
+    def more(self):
+        return self.state.update < self.total_steps
+
+
+def _saved_updates(run):
+    return [int(p.name.split("_")[1]) for p in sorted((run / "checkpoints").glob("ckpt_*"))]
+
+
+@pytest.mark.unit
+def test_the_loop_checkpoints_every_n_global_steps_and_at_each_units_end(tmp_path):
+    # Units of 3 steps, 7 in all, every=2: the cadence counts global steps (2, 4, 6), not steps within a
+    # unit (which would give 2 and 5); units end at 3, 6 and 7, each checkpointed once.
+    cfg = load_config(overrides=["checkpoint.keep_last=10"])
+    with RunLifecycle(RunDir(tmp_path / "run"), cfg, "sft", False, World()) as life, life.phase() as run:
+        phase = _CountingPhase(total=7, unit=3, every=2)
+        run.steps(phase)
+    assert phase.ended == [3, 6, 7]
+    assert _saved_updates(tmp_path / "run") == [2, 3, 4, 6, 7]
+
+
+@pytest.mark.unit
+def test_a_stop_mid_unit_checkpoints_that_step_and_ends_the_run(tmp_path):
+    cfg = load_config(overrides=["checkpoint.keep_last=10"])
+    with pytest.raises(Interrupted):
+        with RunLifecycle(RunDir(tmp_path / "run"), cfg, "sft", False, World()) as life, life.phase() as run:
+            phase = _CountingPhase(total=7, unit=3, every=0, stop_after=5, stopper=life.stopper)
+            run.steps(phase)
+    assert phase.ended == [3] and phase.state.update == 5
+    assert _saved_updates(tmp_path / "run") == [3, 5]  # the unit's end, then the stop's step

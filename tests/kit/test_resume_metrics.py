@@ -8,8 +8,8 @@ from conftest import TINY_OVERRIDES
 from kit.test_resume import _env
 
 from mugrpo.config import EvalConfig
-from mugrpo.kit.checkpoint import RunState
 from mugrpo.kit.lifecycle import truncate_metrics
+from mugrpo.stages.state import RLState, kept_after_resume
 
 
 def _train(run_dir, model_dir, *extra, die_at=None):
@@ -60,9 +60,10 @@ def test_truncate_keeps_a_stage_end_evaluation_the_resume_does_not_repeat(tmp_pa
     _records(path, {"kind": "eval", "stage": 0, "update": 0}, {"kind": "update", "stage": 0, "update": 1},
              {"kind": "update", "stage": 0, "update": 2}, {"kind": "eval", "stage": 0, "update": 2},
              {"kind": "stage", "stage": 0, "update": 2}, {"kind": "update", "stage": 1, "update": 3})
-    truncate_metrics(path, RunState(stage=1, update=2), eval_cfg)
+    state = RLState(stage=1, update=2)
+    truncate_metrics(path, state.update, kept_after_resume(eval_cfg, state))
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["kind"], r["update"]) for r in kept] == [("eval", 0), ("update", 1), ("update", 2), ("eval", 2),
                                                        ("stage", 2)]
-    truncate_metrics(path, RunState(), eval_cfg)  # no checkpoint: the run starts over, nothing of it is kept
+    truncate_metrics(path, 0, kept_after_resume(eval_cfg, RLState()))  # no checkpoint: the run starts over, nothing of it is kept
     assert not path.exists()

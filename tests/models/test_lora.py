@@ -25,7 +25,8 @@ from mugrpo.models.lora import LoraError, apply_lora, checkpoint_weights, lora_l
 from mugrpo.models.loading import load_policy, load_tokenizer
 from mugrpo.config.plan import make_plan
 from mugrpo.pipeline import train
-from mugrpo.training.trainer import RunState, Trainer
+from mugrpo.stages.state import RLState
+from mugrpo.training.trainer import Trainer
 
 from kit.test_batching import _seqs_of, _stage
 
@@ -246,7 +247,7 @@ def test_one_update_moves_adapters_and_nothing_else(lora_run, tiny_model_dir):
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, state=RunState(stage=1)).update(data)
+    Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, state=RLState(stage=1)).update(data)
     for name, p in policy.named_parameters():
         adapter = ".lora_A." in name or ".lora_B." in name
         assert torch.equal(p.detach(), before[name]) != adapter, name  # every adapter moved, nothing else

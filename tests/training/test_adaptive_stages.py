@@ -112,7 +112,8 @@ def test_a_guard_that_must_trip_ends_every_stage_at_min_updates(tmp_path, tiny_m
     assert [s["stage/passes_used"] for s in stages] == [24 / 64, 24 / 64, 16 / 64]
     assert all(updates[i]["loss/kl_behavior"] > 1e-12 for i in (2, 5))  # the guard's evidence is in the log
     assert sorted(p.name for p in (run_dir / "stages").iterdir()) == ["stage_000", "stage_001", "stage_002"]
-    # Checkpoints: mid-stage at in-stage update 2 (every_updates=2), else the stage ends.
+    # Checkpoints: mid-stage at global updates 2 and 4 (every_updates=2 counts the run's updates), else the
+    # stage ends (6 ends stage 1, 8 the run).
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "ckpt_000008_s003_u00000"
 
 
@@ -172,7 +173,7 @@ def reference(tmp_path_factory, tiny_model_dir):
 @pytest.mark.parametrize("die_at", [
     # Killed after the update whose guard ends the stage, before that stage-end checkpoint: the resume
     # loads the mid-stage checkpoint (every_updates=2) and must replay the update and decide the same.
-    pytest.param("update:6", marks=pytest.mark.slow),  # stage 1 (last checkpoint: update 5, in-stage 2)
+    pytest.param("update:6", marks=pytest.mark.slow),  # stage 1 (last checkpoint: update 4, in-stage 1)
     "update:3",   # stage 0 (last checkpoint: update 2, in-stage 2)
 ])
 def test_killed_mid_adaptive_stage_resumes_bitwise(tmp_path, tiny_model_dir, reference, die_at):

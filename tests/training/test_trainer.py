@@ -11,7 +11,8 @@ from mugrpo.stages.data import StageData
 from mugrpo.observability.loggers import read_metrics
 from mugrpo.config.plan import make_plan
 from mugrpo.pipeline import train
-from mugrpo.training.trainer import RunState, Trainer
+from mugrpo.stages.state import RLState
+from mugrpo.training.trainer import Trainer
 
 UPDATE_KEYS = ["loss/policy", "loss/clip_frac_low", "loss/clip_frac_high", "loss/veto_token_frac",
                "loss/veto_seq_frac", "loss/trigger_frac", "loss/ratio_mean_neg", "loss/ratio_mean_pos",
@@ -91,7 +92,7 @@ def test_micro_batch_split_gives_the_same_update(tiny_model_dir, tmp_path):
         optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)  # parameter change = -gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         before = [p.detach().clone() for p in policy.parameters()]
-        Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"), state=RunState(stage=1, update_in_stage=3)).update(data)
+        Trainer(cfg, make_plan(cfg), World(), policy, optimizer, scheduler, device=torch.device("cpu"), state=RLState(stage=1, update_in_stage=3)).update(data)
         grads.append([b - p.detach() for b, p in zip(before, policy.parameters())])
     for other in grads[1:]:
         for a, b in zip(grads[0], other):

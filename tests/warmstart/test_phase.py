@@ -65,11 +65,11 @@ def test_number_of_steps():
 
 def test_untrained_turn_leaves_the_mask():
     from mugrpo.kit.batching import collate
-    from mugrpo.warmstart.phase import as_stage_data
+    from mugrpo.warmstart.phase import ExampleSet
 
     # turn 0 trained (2 tokens), an environment token, turn 1 marked train: false (2 tokens)
     ex = Example([5, 6], [7, 8, 9, 10, 11], [0, 0, -1, 1, 1], [1, 1, 0, 0, 0])
-    data = as_stage_data([ex])
+    data = ExampleSet.of([ex])
     assert data.turns == [[0, 0, -1, -1, -1]] and data.num_policy_tokens(0) == 2
     assert collate(data, [0], pad_id=0).response_mask.tolist() == [[True, True, False, False, False]]
 
