@@ -4,8 +4,9 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks memory job --label short -- schedule.total_updates=8 ...
 
 ``job`` runs ``bash scripts/train.sh --run-dir DIR [overrides]`` (the README's first command) and samples
-every 0.1 s the resident memory (``VmRSS``) of every process in its tree, summed, and each process's
-own high-water mark (``VmHWM``). A sample is labelled with the phase the run is in, read from what
+every 0.1 s the resident memory of every process in its tree, summed (``Pss``: a page two processes
+share counts once), and each process's own high-water mark (``VmHWM``, what ``/usr/bin/time -v``
+reports as its maximum resident set size). A sample is labelled with the phase the run is in, read from what
 the run has written so far: ``start`` (model load, engine start, the starting evaluation) until the
 first record, then ``stage S generate`` until the stage's data is on disk, ``stage S optimise`` until
 its stage record, and the stage end (evaluation, checkpoint) until the next stage's data. The result
@@ -40,6 +41,18 @@ def _status_kib(pid: int, field: str) -> int:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _pss_kib(pid: int) -> int:
+    """The process's proportional share of resident memory (a page shared by n processes counts 1/n):
+    summed over a tree it counts a forked child's copy-on-write pages once, where VmRSS counts them twice."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
                 return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
@@ -92,17 +105,17 @@ def _read_records(path: Path, seen: list[dict]) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()] if len(lines) != len(seen) else seen
 
 
-def sample(cmd: list[str], run_dir: Path, log: Path, env: dict, interval_s: float = 0.1) -> dict:
+def sample(cmd: list[str], run_dir: Path, log: Path, env: dict, cwd: Path = ROOT, interval_s: float = 0.1) -> dict:
     """Run ``cmd``, sampling its process tree's memory until it exits."""
     log.parent.mkdir(parents=True, exist_ok=True)
     timeline, hwm, records = [], {}, []
     t0 = time.perf_counter()
     trace = open(log.with_suffix(".rss.tsv"), "w")  # the samples as they come, for a run stopped early
     with open(log, "w") as fh, trace:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **ENV, **env}, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV, **env}, stdout=fh, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             pids = tree(proc.pid)
-            rss = sum(_status_kib(p, "VmRSS") for p in pids)
+            rss = sum(_pss_kib(p) for p in pids)
             for p in pids:
                 hwm[p] = max(hwm.get(p, 0), _status_kib(p, "VmHWM"))
             records = _read_records(run_dir / "metrics.jsonl", records)
@@ -121,6 +134,15 @@ def sample(cmd: list[str], run_dir: Path, log: Path, env: dict, interval_s: floa
             "peak_hwm_gb": max(hwm.values()) * 1024 / GIB, "num_processes_max": max(n for *_, n in timeline),
             "peak_by_phase_gb": peaks, "timeline": [[t, round(r / 2**20, 3), p] for t, r, p, _ in timeline[::10]],
             "log": str(log.relative_to(ROOT))}
+
+
+def worktree(commit: str) -> Path:
+    """A detached checkout of ``commit`` under benchmarks/cache (made once)."""
+    path = WORK / f"tree-{commit}"
+    if not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True)
+    return path
 
 
 def learning(run_dir: Path) -> dict:
@@ -144,15 +166,17 @@ def plan_lines(log: Path) -> list[str]:
 def part_job(args) -> dict:
     run_dir = WORK / f"job-{args.label}"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    # --direct: what train.sh execs once .venv-vllm exists (no set-up check), with this checkout first on the path
+    tree = worktree(args.commit) if args.commit else ROOT
+    # --direct: what train.sh execs once .venv-vllm exists (no set-up check), with the tree first on the path
     start = ([str(ROOT / ".venv-vllm" / "bin" / "python"), "-m", "mugrpo", "train"] if args.direct
-             else ["bash", str(ROOT / "scripts" / "train.sh")])
+             else ["bash", str(tree / "scripts" / "train.sh")])
     cmd = [*start, "--run-dir", str(run_dir), *args.overrides]
     print(f"[memory] {args.label}: {' '.join(cmd)}", flush=True)
-    env = {"PYTHONPATH": str(ROOT), **({"MALLOC_ARENA_MAX": args.arenas} if args.arenas else {})}
-    out = sample(cmd, run_dir, WORK / f"job-{args.label}.log", env)
+    env = {"PYTHONPATH": str(tree), **({"MALLOC_ARENA_MAX": args.arenas} if args.arenas else {}),
+           **dict(kv.split("=", 1) for kv in args.env)}
+    out = sample(cmd, run_dir, WORK / f"job-{args.label}.log", env, cwd=tree)
     out.update(learning(run_dir), plan=plan_lines(WORK / f"job-{args.label}.log"), overrides=args.overrides,
-               load_avg_end=list(os.getloadavg()))
+               env=args.env, commit=args.commit or "this tree", load_avg_end=list(os.getloadavg()))
     print(f"[memory] {args.label}: {out['wall_s']:.0f} s, peak tree {out['peak_tree_gb']:.2f} GiB, "
           f"HWM {out['peak_hwm_gb']:.2f} GiB; by phase "
           + ", ".join(f"{k} {v:.2f}" for k, v in out["peak_by_phase_gb"].items())
@@ -168,6 +192,8 @@ def main(argv=None) -> int:
     job.add_argument("--label", default="default", help="the result's key (default: default)")
     job.add_argument("--direct", action="store_true",
                      help="run .venv-vllm/bin/python -m mugrpo train (what train.sh execs) instead of train.sh")
+    job.add_argument("--commit", default=None, help="run this commit's code (a git worktree under benchmarks/cache)")
+    job.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for the run's environment")
     job.add_argument("--arenas", default=None, help="MALLOC_ARENA_MAX for the run (default: unset)")
     job.add_argument("overrides", nargs="*", help="key=value overrides after --")
     args = ap.parse_args(argv)

