@@ -184,6 +184,20 @@ def part_job(args) -> dict:
     return out
 
 
+def part_traces(args) -> dict:
+    """Peaks by phase from the sample files of earlier ``job`` runs (``WORK/job-LABEL.rss.tsv``), also of
+    a run stopped before its end (its last phase says how far it got)."""
+    out = {}
+    for label in args.labels:
+        rows = [line.split("\t") for line in (WORK / f"job-{label}.rss.tsv").read_text().splitlines() if line]
+        peaks: dict[str, float] = {}
+        for _, tree_gb, _, name in rows:
+            peaks[name] = round(max(peaks.get(name, 0.0), float(tree_gb)), 3)
+        out[label] = {"peak_by_phase_gb": peaks, "peak_hwm_gb": max(float(r[2]) for r in rows),
+                      "seconds_sampled": float(rows[-1][0]), "last_phase": rows[-1][3]}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common_arguments(ap, "memory")
@@ -196,6 +210,9 @@ def main(argv=None) -> int:
     job.add_argument("--env", nargs="*", default=[], help="NAME=VALUE for the run's environment")
     job.add_argument("--arenas", default=None, help="MALLOC_ARENA_MAX for the run (default: unset)")
     job.add_argument("overrides", nargs="*", help="key=value overrides after --")
+    traces = sub.add_parser("traces")
+    traces.add_argument("labels", nargs="+", help="labels of earlier job runs")
+    traces.add_argument("--label", default="traces", help="the result's key (default: traces)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     from benchmarks.suite import read_figures
