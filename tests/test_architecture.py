@@ -12,7 +12,7 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parent.parent / "mugrpo"
 
 LAYERS = [
-    {"registry", "errors", "seeds", "faults", "run_dir", "hardware", "stopping"},
+    {"registry", "errors", "seeds", "faults", "run_dir", "hardware", "stopping", "heap"},
     {"algo"},
     {"models", "rollout"},
     {"config"},

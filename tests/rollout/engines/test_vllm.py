@@ -61,7 +61,9 @@ class _SharedEngine:
     def get(self):
         if self.engine is None:
             path, tokenizer, _ = self.tiny
-            self.engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="float32"), seed=0)
+            # the KV cache sized as a run sizes it (rollout.vllm.kv_cache_gb: auto), for prompts of <= 20 tokens
+            self.engine = make_engine("vllm", path, tokenizer, _rollout_cfg(dtype="float32", vllm_kv_cache_gb="auto"),
+                                      seed=0, prompt_tokens=20)
         return self.engine
 
     def release(self):
@@ -173,6 +175,34 @@ def test_behavior_logprobs_match_trainer_fp32(tiny, engine_fp32):
     # the bf16 mismatch, so a wrong temperature, position or token offset cannot pass.
     assert d.abs().max() < 1e-4
     assert k3 < 1e-8  # k3 ~ delta^2 / 2: what the bound above allows is 5e-9
+
+
+@pytest.mark.vllm
+def test_the_auto_kv_cache_is_sized_for_a_stage_in_blocks_of_32(engine_fp32):
+    # 256 sequences (vLLM's CPU max_num_seqs) in groups of 8, prompts of at most 20 tokens (no full block of 32
+    # to share), 48 new tokens: 256 x ceil((31 + 48) / 32) = 768 blocks of 32 = 24,576 tokens, each
+    # 2 (K, V) x 2 layers x 2 KV heads x 32 dims x 4 bytes = 1024 bytes: 24 MiB
+    assert engine_fp32.kv_cache_gb == 24_576 * 1024 / 2**30
+    assert engine_fp32.llm.llm_engine.vllm_config.cache_config.block_size == 32
+
+
+@pytest.mark.vllm
+def test_sleep_on_cpu_gives_memory_back_and_the_engine_samples_as_before_after_a_sync(tiny, engine_fp32):
+    _, _, prompts = tiny
+    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=12, seed=5)
+    before = engine_fp32.generate(prompts, sampling)
+    engine_fp32.sleep()
+    # vLLM fits whole blocks into the size asked for: what it allocated is at most that, and most of it
+    assert 0.9 * engine_fp32.kv_cache_gb * 2**30 <= engine_fp32.kv_released_bytes <= engine_fp32.kv_cache_gb * 2**30
+    engine_fp32.sleep()  # twice: nothing more to give back, and no error
+    engine_fp32.wake()
+    with pytest.raises(RuntimeError, match="without load_weights"):  # the packed weights went with the sleep
+        engine_fp32.generate(prompts, sampling)
+    path, _, _ = tiny
+    engine_fp32.load_weights((n, p.detach()) for n, p in load_policy(path).named_parameters())  # the same weights
+    after = engine_fp32.generate(prompts, sampling)
+    assert [[c.token_ids for c in g] for g in after] == [[c.token_ids for c in g] for g in before]
+    assert [[c.behavior_logprobs for c in g] for g in after] == [[c.behavior_logprobs for c in g] for g in before]
 
 
 @pytest.mark.vllm
