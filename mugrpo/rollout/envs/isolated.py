@@ -79,6 +79,16 @@ def _serve(conn, payload: bytes) -> None:
             return
 
 
+def _preload(factory) -> list[str]:
+    """What the fork server imports once, when it starts (the first environment), so that no worker
+    imports it again: the modules a call's arguments need (an item: :mod:`mugrpo.rollout.tasks`, which
+    imports torch: seconds per worker otherwise), the environment's own module, and those its class
+    names in ``preload_modules`` (what it imports lazily, e.g. skyrl-gym)."""
+    target = getattr(factory, "func", factory)
+    return ["mugrpo.rollout.envs.isolated", "mugrpo.rollout.envs.tools", "mugrpo.rollout.tasks",
+            getattr(target, "__module__", None) or __name__, *getattr(target, "preload_modules", ())]
+
+
 def _portable(exc: BaseException) -> Optional[BaseException]:
     """``exc`` when it pickles (it travels back to the caller), else None."""
     import pickle
@@ -107,9 +117,7 @@ class ProcessEnvironment(Environment):
         self._lock = threading.Lock()
         self.start_timeout_s = start_timeout_s
         ctx = multiprocessing.get_context("forkserver")
-        # Imported once by the fork server (when it starts: the first environment), not by every worker.
-        ctx.set_forkserver_preload(["mugrpo.rollout.envs.isolated", "mugrpo.rollout.envs.tools",
-                                    getattr(getattr(factory, "func", factory), "__module__", None) or __name__])
+        ctx.set_forkserver_preload(_preload(factory))
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_serve, args=(child, payload), daemon=True, name="mugrpo-env-worker")
         self._proc.start()
