@@ -16,6 +16,7 @@ Writes benchmarks/results/call_isolation.json in the suite's schema (:mod:`bench
 from __future__ import annotations
 
 import argparse
+import multiprocessing.forkserver
 import os
 import statistics
 import sys
@@ -88,6 +89,8 @@ def environment_cost(factory, action: str, isolation: str, envs: int, steps: int
         step_s.append(time.perf_counter() - t0)
         assert result.ok, result.error
     env.close()
+    if isolation == "process":  # a run has one environment class: the next one gets a fork server of its own
+        multiprocessing.forkserver._forkserver._stop()  # private (CPython 3.8+), as the stdlib's own tests use it
     return {"first_env_s": made[0], "env_start_s": statistics.median(made[1:]), "step_s": statistics.median(step_s)}
 
 

@@ -102,11 +102,20 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
                           "give the tools to your environment's tools() instead, or drop task.env")
     target = _resolve_env(spec)
     if isinstance(target, type) and issubclass(target, Environment):
-        return _checked(_isolated(functools.partial(target, **_defaults(target, args, env_cfg, task)), env_cfg),
+        factory = functools.partial(target, **_defaults(target, args, env_cfg, task))
+        return _checked(factory if spec in THREAD_BUILTINS else _isolated(factory, env_cfg),
                         "task.env_args", _timeout(env_cfg), "max_turns" in args)
     if not callable(target):
         raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
     return _from_callable(target, args, env_cfg)
+
+
+THREAD_BUILTINS = ("calculator", "multi_attempt")
+"""Built-in environments (by ``task.env`` name) whose steps run on threads whatever ``env.step_isolation``
+says: their code is mugrpo's own (the calculator's parser, the task's built-in correctness), so a
+worker process per environment (about 60 ms to start, one process per live trajectory:
+docs/ENVIRONMENTS.md) would buy nothing. ``task.env=mugrpo.rollout.envs.builtin:CalculatorEnvironment``
+follows ``env.step_isolation``."""
 
 
 class _ImportModules:
@@ -247,13 +256,18 @@ def _isolated(factory: functools.partial, env_cfg) -> functools.partial:
 
 
 def _isolation_line(factory: functools.partial, tools: tuple) -> str:
+    if factory.func in (ENVIRONMENTS.get(name) for name in THREAD_BUILTINS):
+        return ("steps in threads of the trainer's process (a built-in environment, mugrpo's own code: "
+                "env.step_isolation does not apply)")
     if factory.func is ToolEnvironment and _tool_runner(factory) == "process":
         return ("tool calls in worker processes (env.tool_isolation=process); the tool environment, mugrpo's own, in "
                 "the trainer's process")
     steps = "process" if factory.func is ProcessEnvironment else "thread"
     where = "a worker process per environment" if steps == "process" else "threads of the trainer's process"
     line = f"steps in {where} (env.step_isolation={steps})"
-    if tools:
+    if tools and steps == "process":
+        line += "; its tool calls on threads in that worker, killed with it at env.step_timeout_s"
+    elif tools:
         runner = _tool_runner(factory)
         line += f"; tool calls in {'worker processes' if runner == 'process' else 'threads'} " \
                 f"(env.tool_isolation={runner})"
