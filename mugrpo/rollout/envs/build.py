@@ -252,7 +252,7 @@ def _isolated(factory: functools.partial, env_cfg) -> functools.partial:
     if (why := portable_problem(factory)) is not None:
         _thread_fallback("env.step_isolation", f"the environment {why}")
         return factory
-    return functools.partial(ProcessEnvironment, factory, env_cfg.step_timeout_s, _timeout(env_cfg))
+    return functools.partial(ProcessEnvironment, factory, getattr(env_cfg, "step_timeout_s", 30.0), _timeout(env_cfg))
 
 
 def _isolation_line(factory: functools.partial, tools: tuple) -> str:
