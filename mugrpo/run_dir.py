@@ -9,6 +9,9 @@
                                   "generated" marker, written last), stage_metrics.json, rollouts*.jsonl
         rounds/                   dynamic sampling's finished rounds (round_RR_rank{R}.safetensors + .json),
                                   removed once the stage's shards are written (mugrpo.stages.rounds)
+        behavior_weights.safetensors   a stage generated ahead that was in flight when the run stopped:
+                                  the weights it is generated from (mugrpo.stages.ahead), removed
+                                  once the stage is complete
       final_model/                the exported HF model (and tokenizer)
       replay.json                 a replaying run's source run directory (mugrpo.stages.replay)
       run.json                    the kind of run (sft, warmstart, rl, replay): which command resumes it
@@ -221,6 +224,11 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
 def shard_path(stage_dir: Path, shard: int) -> Path:
     """Shard ``shard`` of a stage's data (written by the rank of that number)."""
     return Path(stage_dir) / f"rollouts_rank{shard}.safetensors"
+
+
+def snapshot_path(stage_dir: Path) -> Path:
+    """The behaviour weights of a stage that was being generated ahead when the run stopped."""
+    return Path(stage_dir) / "behavior_weights.safetensors"
 
 
 def text_path(stage_dir: Path, rank: int, world_size: int) -> Path:

@@ -1,8 +1,11 @@
 """Environments that do what a hostile or careless user's would: a huge reset prompt, a process exit
-inside a step (used by tests/rollout/envs/ and tests/rollout/test_calls_env.py)."""
+inside a step or a tool, a tool that never returns (used by tests/rollout/envs/)."""
+import json
 import os
 
+import guard_tools
 from mugrpo.rollout.envs.base import Environment, StepResult
+from mugrpo.rollout.envs.tools import ToolEnvironment
 
 
 class HugeReset(Environment):
@@ -49,3 +52,19 @@ class ExitsWhenMade(Environment):
 
     def step(self, action):
         return StepResult([], done=True)
+
+
+class ForcedTool(ToolEnvironment):
+    """A tool environment for the tiny random model, which writes no ``<tool_call>``: every step calls
+    ``tool`` (``add``, ``die``: ``os._exit(3)``, or ``backtrack``: a catastrophic regex that never
+    returns) whatever the model wrote, through :class:`ToolEnvironment`'s own parser and runner."""
+
+    ARGUMENTS = {"add": {"a": 1, "b": 2}, "die": {"x": 0}, "backtrack": {"n": 40}}
+
+    def __init__(self, tool: str = "add", max_turns: int = 2, timeout_s: float = 1.0):
+        super().__init__([getattr(guard_tools, tool)], max_turns, timeout_s)  # one: a short protocol text
+        self.tool = tool
+
+    def step(self, action):
+        call = json.dumps({"name": self.tool, "arguments": self.ARGUMENTS[self.tool]})
+        return super().step(f"<tool_call>{call}</tool_call>")

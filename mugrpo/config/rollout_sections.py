@@ -370,16 +370,20 @@ class EnvConfig:
     """Per-call limit of making one environment (the factory call), its ``reset`` and its ``tools()``;
     past it, or on an exception, that item is skipped (its group), counted in ``env/num_items_skipped``
     (in training and evaluation). At the start-up check, a constructor past it stops at start."""
-    tool_isolation: Literal["thread", "process"] = "thread"
-    """Where ``task.tools`` calls run: ``thread`` (cheap; a call that holds the GIL, e.g. a catastrophic
-    regex, stalls the others until it returns) or ``process`` (a worker process per running call, killed
-    at ``env.tool_timeout_s``: every call ends on time; the tools must pickle). docs/ENVIRONMENTS.md."""
-    step_isolation: Literal["thread", "process"] = "thread"
-    """Where environments run: ``thread`` (in the trainer's process: an exception or a hang in a step is
-    caught, but ``os._exit``, a native crash or a step holding the GIL ends or stalls the run) or
-    ``process`` (each environment made in a worker process of its own, its state kept there, killed at
-    ``env.step_timeout_s``: a worker that dies ends one trajectory, counted in ``env/num_env_error``;
-    the environment must pickle). docs/ENVIRONMENTS.md."""
+    tool_isolation: Literal["thread", "process"] = "process"
+    """Where ``task.tools`` calls run: ``process`` (the default: worker processes, a call killed at
+    ``env.tool_timeout_s``, so every call ends on time, even one holding the GIL such as a catastrophic
+    regex; a tool that ends its process ends its trajectory, counted in ``env/num_env_error``; the
+    tools must pickle, else they run on threads with a warning) or ``thread`` (faster calls; an
+    ``os._exit`` is still caught, but a call that holds the GIL stalls the others until it returns).
+    docs/ENVIRONMENTS.md."""
+    step_isolation: Literal["thread", "process"] = "process"
+    """Where environments run: ``process`` (the default: each environment made in a worker process of its
+    own, its state kept there, killed at ``env.step_timeout_s``; a worker that dies ends one trajectory,
+    counted in ``env/num_env_error``; the environment must pickle, else it runs on threads with a
+    warning) or ``thread`` (in the trainer's process, faster: an exception, a hang or an ``os._exit`` in
+    a step is caught, but a native crash or a step holding the GIL ends or stalls the run).
+    docs/ENVIRONMENTS.md."""
     max_observation_chars: int = 20000
     """An environment message (an observation, a tool result) longer than this is cut to it before it is
     tokenized, counted in ``env/num_truncated_observations``."""

@@ -10,27 +10,36 @@ abandoned and gives its slot back at once.
 
 Two isolations:
 
-- ``thread`` (the default): the call runs on a daemon thread. A thread cannot be killed (Python has
-  no thread cancellation), so an abandoned call runs on unobserved; it never blocks the process
-  from exiting (a ``ThreadPoolExecutor`` would join a hung worker at exit). Abandoned threads still
-  running are capped process-wide (:data:`MAX_ABANDONED`): past the cap a new call is refused at
-  once (``refused``, an error like any other) instead of adding one more thread, so hung user code
-  cannot pile up threads over a long run. A call that holds the GIL (a pure-Python loop, a
-  catastrophic regex) also stalls every other thread until it returns: use ``process``.
-- ``process``: the call (it must pickle: a module-level function and plain arguments) runs in a
-  worker process (``spawn``), reused from call to call. At its timeout the worker is killed and a
-  fresh one replaces it on the next call, so even a call holding the GIL ends on time. It costs a
-  pickle round trip per call and a worker start after each timeout (``benchmarks/call_isolation.py``).
+- ``process`` (what a run uses for user code by default, ``env.step_isolation`` /
+  ``env.tool_isolation``): the call (it must pickle: a module-level function and plain arguments)
+  runs in a worker process (``spawn``), reused from call to call. At its timeout the worker is
+  killed and a fresh one replaces it on the next call, so even a call holding the GIL (a
+  catastrophic regex) ends on time; a worker that dies (``os._exit``, a crash) is a
+  :class:`ProcessExit`, and the next call gets a fresh worker. It costs a pickle round trip per call
+  and a worker start after each timeout (``benchmarks/call_isolation.py``, docs/ENVIRONMENTS.md).
+- ``thread`` (this class's default, for mugrpo's own bounded calls, and the opt-in for speed): the
+  call runs on a daemon thread. A thread cannot be killed (Python has no thread cancellation), so an
+  abandoned call runs on unobserved; it never blocks the process from exiting (a
+  ``ThreadPoolExecutor`` would join a hung worker at exit). Abandoned threads still running are
+  capped process-wide (:data:`MAX_ABANDONED`): past the cap a new call is refused at once
+  (``refused``, an error like any other) instead of adding one more thread, so hung user code cannot
+  pile up threads over a long run. A call that holds the GIL also stalls every other thread until it
+  returns: use ``process``. While a call runs on its thread, ``os._exit`` called on that thread
+  raises :class:`ProcessExit` instead of ending the process (:func:`_guard_process_exit`); a crash in
+  native code, or an ``_exit`` bound before the guard (``from os import _exit``), still ends it.
 
 Results come back by index as :class:`CallResult`, whatever order the calls finish in, so the
 caller's state does not depend on thread timing. Every failure is reported, none escapes: an
-exception becomes ``error`` (its formatted traceback) and ``exception``. This module knows nothing
+exception becomes ``error`` (its formatted traceback) and ``exception``; a process exit also sets
+``exited`` (the exit code). This module knows nothing
 about environments, tools or tokens.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import sys
 import threading
 import time
 import traceback
@@ -38,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = ["CallResult", "CallRunner", "TOOL_RUNNER", "run_calls", "process_tool_runner", "MAX_ABANDONED",
-           "ISOLATIONS", "abandoned_calls"]
+           "ISOLATIONS", "abandoned_calls", "ProcessExit"]
 
 ISOLATIONS = ("thread", "process")
 MAX_ABANDONED = 64
@@ -54,6 +63,45 @@ def abandoned_calls() -> int:
     return _abandoned
 
 
+class ProcessExit(Exception):
+    """User code ended (or tried to end) its process: ``os._exit`` on a call's thread, or a worker
+    process that died. ``code``: the exit code (negative: the signal that ended the worker)."""
+
+    def __init__(self, message: str, code: Optional[int] = None):
+        super().__init__(message)
+        self.code = code
+
+    def __reduce__(self):  # it travels back from a worker process with its code
+        return ProcessExit, (str(self), self.code)
+
+
+_guard = threading.local()
+_guard_lock = threading.Lock()
+_prev_exit: Callable[[int], None] = os._exit
+_owner_pid = os.getpid()
+
+
+def _guarded_exit(code: int) -> None:
+    """``os._exit`` while the guard is installed (:func:`_guard_process_exit`)."""
+    if os.getpid() == _owner_pid and getattr(_guard, "active", False):
+        caller = sys._getframe(1).f_code
+        raise ProcessExit(f"{caller.co_qualname} ({caller.co_filename}:{caller.co_firstlineno}) called os._exit({code}), "
+                          "which would end the run without a message", code)
+    _prev_exit(code)
+
+
+def _guard_process_exit() -> None:
+    """Mark this thread as running user code: ``os._exit`` called on it raises :class:`ProcessExit`
+    (naming the function that called it) instead of ending the process. The guard is (re)installed
+    over whatever ``os._exit`` is now (another guard, e.g. the rewards', restores its own when it
+    ends); every other thread, and a forked child, gets the function it replaced."""
+    global _prev_exit, _owner_pid
+    with _guard_lock:
+        if os._exit is not _guarded_exit:
+            _prev_exit, _owner_pid, os._exit = os._exit, os.getpid(), _guarded_exit
+    _guard.active = True
+
+
 @dataclass
 class CallResult:
     value: Any = None
@@ -64,6 +112,8 @@ class CallResult:
     timed_out: bool = False
     refused: bool = False
     """Not run: too many abandoned calls are still running (:data:`MAX_ABANDONED`)."""
+    exited: Optional[int] = None
+    """The exit code, when the call ended its process (:class:`ProcessExit`)."""
 
     @property
     def ok(self) -> bool:
@@ -132,6 +182,8 @@ class CallRunner:
     def _work(self, call: Callable[[], Any], st: _Call, cond: threading.Condition, timeout_s: float) -> None:
         self._slots.acquire()
         worker = None
+        if self._workers is None:
+            _guard_process_exit()
         try:
             # A worker's start and its unpickling of the call (imports: seconds under spawn) are not
             # the call's time: the clock starts when the worker says it has begun.
@@ -141,7 +193,8 @@ class CallRunner:
                 cond.notify_all()
             result = self._workers.finish(worker, timeout_s) if worker is not None else CallResult(value=call())
         except BaseException as exc:  # noqa: BLE001 - user code: every failure is reported, none escapes
-            result = CallResult(error=traceback.format_exc(limit=8), exception=exc)
+            result = CallResult(error=traceback.format_exc(limit=8), exception=exc,
+                                exited=exc.code if isinstance(exc, ProcessExit) else None)
             with cond:
                 st.holding = st.holding or st.started is None  # a failed worker start still holds its slot
         with cond:
@@ -267,7 +320,7 @@ class _WorkerPool:
             raise RuntimeError(f"the worker process did not start the call within {WORKER_START_S:g} s")
         try:
             kind, payload, exc = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             self._kill(proc, conn)
             raise RuntimeError(f"the worker process died while starting the call (exit code {proc.exitcode})")
         if kind != "started":  # the call did not unpickle in the worker
@@ -283,10 +336,10 @@ class _WorkerPool:
             return CallResult(timed_out=True)
         try:
             kind, payload, exc = conn.recv()
-        except EOFError:  # the worker died (os._exit, a crash): an error, and the worker is gone
+        except (EOFError, OSError):  # the worker died (os._exit, a crash): an error, and the worker is gone
             self._kill(proc, conn)
-            message = f"the worker process died (exit code {proc.exitcode})"
-            return CallResult(error=message, exception=RuntimeError(message))
+            message = f"the worker process died (exit code {proc.exitcode}: os._exit or a crash in native code)"
+            return CallResult(error=message, exception=ProcessExit(message, proc.exitcode), exited=proc.exitcode)
         except Exception as exc:  # noqa: BLE001 - a value or exception that does not unpickle here
             self._give_back(proc, conn)
             message = f"the call's result did not unpickle: {type(exc).__name__}: {exc}"

@@ -23,12 +23,18 @@ request for a stage, to this record; :class:`IdleLedger`):
 - ``perf/engine_idle_frac`` = seconds in I_s during which the generating thread had no stage to
   generate / |I_s| (an evaluation the trainer runs meanwhile is not counted as engine work).
 
-What a resume promises: a kill loses at most the stages in flight (a stage is complete once its
-shards are marked, :mod:`mugrpo.stages.store`); the resumed run regenerates them from its
-own weights, recording that version. So the resumed run is bitwise equal to the uninterrupted one
-given the stages it trains on; those are the same when the regenerated stages come from the same
-weights: with k = 1, whenever the checkpoint resumed is a stage's start (no mid-stage checkpoint
-since). Otherwise the regenerated stage is newer (its lag smaller) and the run continues from it.
+What a resume promises: bitwise equality with the uninterrupted run. A stage in flight when the
+run ends is lost (a stage is complete once its shards are marked, :mod:`mugrpo.stages.store`), and
+the resumed run regenerates it from the weights it was meant to come from: stage t is requested at
+stage max(0, t - k)'s start (its version). When the run resumes at that very stage's start those
+are its own weights; otherwise they come from the stage's **behaviour snapshot**, which a stop (or
+any end of the run that closes this source) writes into the in-flight stage's folder
+(``behavior_weights.safetensors``, :func:`mugrpo.run_dir.snapshot_path`) and which is removed once
+the stage is complete. So a SIGTERM anywhere, a mid-stage checkpoint it writes included, resumes to
+the same weights. Only a process killed outright (SIGKILL, a crash) while a stage is in flight and
+the checkpoint resumed is not that stage's version's start loses the snapshot: the stage is then
+generated from the resumed weights, its version (and ``stage/policy_lag_*``) says so, and a line at
+resume names the stage and what changed.
 
 Not here: what a stage is and how it is generated (:mod:`mugrpo.stages.generation`); the loop
 (:mod:`mugrpo.training.trainer`). Limits: one process (the generating thread's collectives would
@@ -45,10 +51,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from mugrpo.config import ConfigError
 from mugrpo.observability.progress import Progress
 from mugrpo.kit import distributed as dist
+from mugrpo.run_dir import atomic_write, snapshot_path, write_failure
 from mugrpo.stages.data import StageData
 from mugrpo.stages.shards import is_complete
 from mugrpo.stages.sources import build_stage_source
@@ -63,10 +72,35 @@ class PolicySnapshot:
     version: int
     """The stage at whose start they were taken (after a resume mid-stage: the stage they are in)."""
     tensors: dict[str, torch.Tensor]
+    at_start: bool = True
+    """Taken at the start of stage ``version`` (False: mid-stage weights standing in for a lost
+    snapshot after a kill; never saved, since they are not what any stage was meant to come from)."""
 
     @classmethod
-    def take(cls, policy, version: int) -> "PolicySnapshot":
-        return cls(version, {name: t.detach().to("cpu", copy=True) for name, t in dist.full_state_items(policy)})
+    def take(cls, policy, version: int, at_start: bool = True) -> "PolicySnapshot":
+        return cls(version, {name: t.detach().to("cpu", copy=True) for name, t in dist.full_state_items(policy)},
+                   at_start)
+
+    def save(self, stage_dir) -> None:
+        """Write it as the behaviour snapshot of the (in-flight) stage in ``stage_dir``."""
+        tensors = {name: t.contiguous() for name, t in self.tensors.items()}
+        atomic_write(snapshot_path(stage_dir), lambda tmp: save_file(tensors, str(tmp),
+                                                                     metadata={"version": str(self.version)}))
+
+    @classmethod
+    def load(cls, stage_dir, version: int) -> Optional["PolicySnapshot"]:
+        """The behaviour snapshot saved for the stage in ``stage_dir`` if it is of ``version``, else None."""
+        path = snapshot_path(stage_dir)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("version") != str(version):
+                    return None
+                return cls(version, {name: f.get_tensor(name) for name in f.keys()})
+        except Exception as exc:  # noqa: BLE001 - a damaged file: the stage falls back (and says so)
+            print(f"[mugrpo] warning: {path} is unreadable ({type(exc).__name__}: {exc}); ignored")
+            return None
 
 
 class IdleLedger:
@@ -192,13 +226,16 @@ class AheadStages:
         self._results: dict[int, object] = {}
         self._done = threading.Condition()
         self._requested: set[int] = set()
+        self._pending: dict[int, Optional[PolicySnapshot]] = {}
+        """The snapshot of each requested stage not yet handed to the trainer (None: on disk)."""
         self._thread: Optional[threading.Thread] = None
 
     # The trainer's side. ----------------------------------------------------------------------
 
     def stage(self, state, stopper=None) -> tuple[StageData, dict]:
         """Stage ``state.stage``'s data (waiting for it if it is still being generated), after
-        requesting the stages up to ``state.stage + k`` not yet requested, from the weights now."""
+        requesting the stages up to ``state.stage + k`` not yet requested, each from the weights of
+        its version (module docstring)."""
         self.stopper = stopper
         self.ledger.open()
         if self._thread is None:
@@ -206,30 +243,70 @@ class AheadStages:
             self._thread.start()
         s = state.stage
         wanted = [t for t in range(s, s + self.k + 1) if t not in self._requested and self._may_exist(state, t)]
-        if wanted:
-            on_disk = all(is_complete(self.inner.store.stage_dir(t)) for t in wanted)
-            snapshot = None if on_disk else PolicySnapshot.take(self.policy, version=s)
-            for t in wanted:  # in stage order: the thread generates them in that order
-                self._requested.add(t)
-                self._jobs.put((self._future_state(state, t), snapshot))
+        snapshots = self._snapshots(state, wanted)
+        for t in wanted:  # in stage order: the thread generates them in that order
+            self._requested.add(t)
+            self._pending[t] = snapshots[t]
+            self._jobs.put((self._future_state(state, t), snapshots[t]))
         t0 = time.perf_counter()
         result = self._wait(s)
         self.ledger.add_trainer_wait(time.perf_counter() - t0)
         if isinstance(result, BaseException):
             raise result
+        self._pending.pop(s, None)
+        snapshot_path(self.inner.store.stage_dir(s)).unlink(missing_ok=True)  # the stage is complete
         data, metrics = result
         return data, {**metrics, **lag_metrics(data.versions(s), s)}
+
+    def _snapshots(self, state, wanted: list[int]) -> dict[int, Optional[PolicySnapshot]]:
+        """The weights each of the ``wanted`` stages is generated from (None: complete on disk): stage t's
+        version is max(0, t - k); the policy's own weights at that stage's start, else the snapshot a stop
+        saved. Without either (a kill), the policy's weights now, said in a line."""
+        s, here, now, lost = state.stage, None, None, []
+        out: dict[int, Optional[PolicySnapshot]] = {}
+        for t in wanted:
+            stage_dir = self.inner.store.stage_dir(t)
+            version = max(0, t - self.k)
+            if is_complete(stage_dir):
+                out[t] = None
+            elif version == s and state.update_in_stage == 0:
+                out[t] = here = here or PolicySnapshot.take(self.policy, s)
+            elif (saved := PolicySnapshot.load(stage_dir, version)) is not None:
+                out[t] = saved
+            else:
+                out[t] = now = now or PolicySnapshot.take(self.policy, s, at_start=False)
+                lost.append((t, version))
+        if lost:
+            where = f"stage {s}'s start" if state.update_in_stage == 0 else \
+                f"stage {s} after {state.update_in_stage} of its updates"
+            print("[mugrpo] resume: " + "; ".join(
+                f"stage {t} was in flight from the weights of stage {v}'s start, which were not saved (the run was "
+                f"killed, not stopped): it is generated from the weights resumed ({where}), its policy lag "
+                f"{t - s} instead of {t - v} (stage/policy_lag_*)" for t, v in lost)
+                + "; from here the run differs from an uninterrupted one")
+        return out
 
     def stage_end_metrics(self) -> dict:
         """The stage interval's idle seconds and fractions (the trainer calls it as it logs the stage)."""
         return self.ledger.close()
 
     def close(self) -> None:
-        """Stop the generating thread (within a decode step) and wait for it: before the engine closes."""
+        """Stop the generating thread (within a decode step) and wait for it: before the engine closes.
+        Then save the snapshot of each stage left in flight, so that a resume generates it from the
+        same weights (module docstring)."""
         self.closing = True
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join()
+        for t, snapshot in sorted(self._pending.items()):
+            stage_dir = self.inner.store.stage_dir(t)
+            if snapshot is None or not snapshot.at_start or is_complete(stage_dir):
+                continue
+            try:
+                snapshot.save(stage_dir)
+            except Exception as exc:  # noqa: BLE001 - the run is ending anyway: its resume falls back, and says so
+                print(f"[mugrpo] warning: could not save the weights stage {t} is generated from "
+                      f"({write_failure(exc) or exc}); a resume generates it from the resumed weights")
 
     def _wait(self, stage: int):
         with self._done:

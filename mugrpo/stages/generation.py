@@ -97,11 +97,13 @@ class RoundGenerator:
         with its traceback; the counts are in the stage's ``env/*`` metrics."""
         if getattr(self, "_reported_stage", None) != stage:
             self._reported_stage, self._reported = stage, set()
+        summary = getattr(getattr(getattr(self.sampler, "parts", None), "env_factory", None), "summary", None)
+        name = f" ({summary.name})" if summary is not None else ""
         for kind, text in (batch.env_problems or {}).items():
             if kind not in self._reported:
                 self._reported.add(kind)
                 who = f" (rank {self.world.rank})" if self.world.size > 1 else ""
-                print(f"[mugrpo] warning: stage {stage}{who}: environment {kind.replace('_', ' ')}; counted in "
+                print(f"[mugrpo] warning: stage {stage}{who}: environment {kind.replace('_', ' ')}{name}; counted in "
                       f"env/*; the first:\n{text}")
 
     def reward_names(self) -> list[str]:

@@ -97,8 +97,8 @@ def test_plan_prints_the_environment_it_builds(capsys):
     assert rows == {"environment": "mugrpo.rollout.envs.builtin.CalculatorEnvironment",
                     "environment tools": "calculate", "environment max turns": "3",
                     "environment stop strings": "'</tool_call>'",
-                    "environment isolation": "steps in threads of the trainer's process (env.step_isolation=thread); "
-                                             "tool calls in threads (env.tool_isolation=thread)"}
+                    "environment isolation": "steps in threads of the trainer's process (a built-in environment, "
+                                             "mugrpo's own code: env.step_isolation does not apply)"}
     assert main(["plan"]) == 0  # single-turn: no environment rows
     assert "environment" not in capsys.readouterr().out
 

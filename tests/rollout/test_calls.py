@@ -8,7 +8,7 @@ import pytest
 
 import guard_tools
 from mugrpo.rollout import calls
-from mugrpo.rollout.calls import CallRunner
+from mugrpo.rollout.calls import CallRunner, ProcessExit
 from mugrpo.rollout.envs.tools import ToolEnvironment
 
 
@@ -92,11 +92,23 @@ def test_process_isolation_reports_exceptions_and_a_dead_worker_as_errors():
     fail, die, add = (calls_of(runner, fn, x) for fn, x in ((guard_tools.fail, 1), (guard_tools.die, 0),
                                                              (guard_tools.add, 2)))
     assert isinstance(fail.exception, ValueError) and "bad x 1" in fail.error
-    assert not die.ok and "worker process died (exit code 3)" in die.error
+    assert not die.ok and "worker process died (exit code 3" in die.error and die.exited == 3
+    assert isinstance(die.exception, ProcessExit) and die.exception.code == 3
     assert add.value == 4
     picky = calls_of(runner, guard_tools.raise_picky, 1)
     assert not picky.ok and "did not unpickle" in picky.error
     assert calls_of(runner, guard_tools.add, 3).value == 6  # the same worker serves on
+
+
+def test_an_os_exit_on_a_call_thread_is_an_error_naming_its_caller_and_the_process_lives_on():
+    from mugrpo.rollout.envs.tools import _Bound
+
+    exits, adds = CallRunner(2).run([_Bound(guard_tools.die, {"x": 0}), _Bound(guard_tools.add, {"a": 1, "b": 1})],
+                                    5.0)
+    assert exits.exited == 3 and isinstance(exits.exception, ProcessExit)
+    assert "die (" in str(exits.exception) and "guard_tools.py" in str(exits.exception)  # the function that called it
+    assert adds.value == 2
+    assert not getattr(calls._guard, "active", False)  # this thread (not a call's) would get the real os._exit
 
 
 def calls_of(runner, fn, x):

@@ -4,6 +4,7 @@ refusals, and a kill during generation ahead resumed bitwise (the HF engine in p
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,8 @@ from safetensors.torch import load_file
 from mugrpo.config import ConfigError, load_config
 from mugrpo.config.plan import format_plan, make_plan
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.stages.ahead import IdleLedger, lag_metrics
+from mugrpo.kit.checkpoint import RunState
+from mugrpo.stages.ahead import AheadStages, IdleLedger, PolicySnapshot, lag_metrics
 from mugrpo.stages.data import StageData
 
 # 4 stages of 2 updates; each stage generates 32 prompts x G 8 (4 generation batches of 64) and
@@ -136,6 +138,54 @@ def test_bad_async_stages_exits_2_at_start(tmp_path):
     assert r.returncode == 2 and "schedule.async_stages=3" in r.stderr, r.stderr[-2000:]
 
 
+def _source(tmp_path, k=1):
+    """An AheadStages over stage folders in tmp_path, whose policy is a 2x2 linear layer of ones."""
+    policy = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.ones_(policy.weight)
+    inner = SimpleNamespace(engine=SimpleNamespace(ledger=IdleLedger()),
+                            store=SimpleNamespace(stage_dir=lambda t: tmp_path / f"stage_{t:03d}"))
+    return AheadStages(inner, plan=None, k=k, policy=policy), policy
+
+
+@pytest.mark.unit
+def test_a_stop_saves_the_in_flight_stages_weights_and_the_resume_generates_from_them(tmp_path):
+    source, policy = _source(tmp_path)
+    start = PolicySnapshot.take(policy, version=1)  # stage 1's start: the weights stage 2 is requested from
+    source._pending = {2: start}
+    source.close()  # the run stops in stage 1 with stage 2 in flight
+    assert (tmp_path / "stage_002" / "behavior_weights.safetensors").is_file()
+    resumed, policy = _source(tmp_path)
+    with torch.no_grad():
+        policy.weight.fill_(5.0)  # the resumed weights: stage 1 after some of its updates
+    snaps = resumed._snapshots(RunState(stage=1, update=3, update_in_stage=1), [2])
+    assert snaps[2].version == 1 and snaps[2].tensors["weight"].equal(torch.ones(2, 2))
+
+
+@pytest.mark.unit
+def test_a_kill_that_lost_the_weights_generates_from_the_resumed_ones_and_says_so(tmp_path, capsys):
+    source, policy = _source(tmp_path)
+    snaps = source._snapshots(RunState(stage=1, update=3, update_in_stage=1), [2])
+    # version 1 (stage 1 after 1 update): lag 2 - 1 = 1 recorded, the weights a stage fresher than meant
+    assert snaps[2].version == 1 and not snaps[2].at_start
+    out = capsys.readouterr().out
+    assert ("[mugrpo] resume: stage 2 was in flight from the weights of stage 1's start, which were not saved" in out
+            and "stage 1 after 1 of its updates" in out)
+    source._pending = {2: snaps[2]}
+    source.close()  # mid-stage weights are not what stage 2 was meant to come from: never saved
+    assert not (tmp_path / "stage_002" / "behavior_weights.safetensors").exists()
+
+
+@pytest.mark.unit
+def test_at_a_stages_start_the_stages_of_its_version_come_from_the_policy_and_older_ones_do_not(tmp_path, capsys):
+    # k = 2, resumed at stage 3's start: stage 4 was requested at stage 2's start (version 2, lost), stage 5
+    # is requested now (version 3: the policy's own weights, exactly).
+    source, policy = _source(tmp_path, k=2)
+    snaps = source._snapshots(RunState(stage=3, update=6, update_in_stage=0), [4, 5])
+    assert snaps[5].version == 3 and snaps[5].at_start
+    assert snaps[4].version == 3 and not snaps[4].at_start
+    assert "stage 4 was in flight from the weights of stage 2's start" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs.
 
@@ -227,6 +277,42 @@ def test_kill_during_generation_ahead_resumes_bitwise(tmp_path, tiny_model_dir, 
     assert [set(_versions(run_dir, t)) for t in range(4)] == [{0}, {0}, {1}, {2}]
     updates = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "update"]
     assert [r["update"] for r in updates] == list(range(1, 9))
+
+
+def _same_final_weights(ref_dir, run_dir):
+    ref, got = load_file(str(ref_dir / "final_model" / "model.safetensors")), \
+        load_file(str(run_dir / "final_model" / "model.safetensors"))
+    return ref.keys() == got.keys() and all(ref[k].equal(got[k]) for k in ref)
+
+
+@pytest.mark.parametrize("stop_at,every", [
+    # stage 0, after its first update: the stop writes a mid-stage checkpoint while stage 1 (requested at
+    # stage 0's start) is in flight; the resume must generate it from stage 0's start, not from here
+    ("update:1", 0),
+    # stage 1, after its first update, with a checkpoint after every update: stage 2 (from stage 1's start)
+    # in flight
+    ("update:3", 1),
+    pytest.param("generate:2", 0, marks=pytest.mark.slow),   # stage 0's generation: nothing trained yet
+    pytest.param("generate:6", 1, marks=pytest.mark.slow),   # stage 1's generation (from stage 0's start)
+    pytest.param("generate:10", 0, marks=pytest.mark.slow),  # stage 2's generation (from stage 1's start)
+    pytest.param("update:5", 1, marks=pytest.mark.slow),     # stage 2, mid-stage; stage 3 in flight
+])
+def test_a_stop_during_generation_ahead_resumes_as_printed_to_the_same_weights(tmp_path, tiny_model_dir, ahead_run,
+                                                                                stop_at, every):
+    run_dir = tmp_path / "run"
+    stopped = _train(run_dir, tiny_model_dir, "schedule.async_stages=1", f"checkpoint.every_updates={every}",
+                     MUGRPO_STOP_AT=stop_at)
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    command = f"mugrpo train --resume {run_dir}"
+    assert command in stopped.stderr + stopped.stdout
+    resumed = subprocess.run([sys.executable, "-m", "mugrpo", *command.split()[1:]], env=_env(), capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[mugrpo] resume: stage" not in resumed.stdout  # nothing was generated from other weights
+    assert _same_final_weights(ahead_run, run_dir)
+    assert [set(_versions(run_dir, t)) for t in range(4)] == [{0}, {0}, {1}, {2}]
+    assert [s["stage/policy_lag_max"] for s in _stages(run_dir)] == [0, 1, 1, 1]
+    assert not list(run_dir.glob("stages/*/behavior_weights.safetensors"))  # removed once their stages completed
 
 
 @pytest.mark.slow  # ~25 s

@@ -11,8 +11,17 @@ The keys read (their schema and documentation live with the config):
   functions; alone they make a :class:`ToolEnvironment`;
 - ``env.max_turns`` and ``env.tool_timeout_s``: the defaults of an environment's ``max_turns`` and
   ``timeout_s`` when it takes them and ``task.env_args`` does not set them;
-- ``env.tool_isolation``: ``process`` runs ``task.tools`` calls in worker processes
-  (:func:`mugrpo.rollout.calls.process_tool_runner`).
+- ``env.tool_isolation``: ``process`` (the default) runs ``task.tools`` calls in worker processes
+  (:func:`mugrpo.rollout.calls.process_tool_runner`), and the tool environment itself (mugrpo's
+  code) in the trainer's process;
+- ``env.step_isolation``: ``process`` (the default) makes each environment of ``task.env`` in a
+  worker process of its own (:class:`mugrpo.rollout.envs.isolated.ProcessEnvironment`).
+
+User code that cannot cross to a worker process (a class or function defined inside a function or
+in the script being run, an object that does not pickle) runs on threads instead, with a one-line
+warning saying why (:func:`portable_problem`): the run still works, without the isolation. A
+constructor that ends its process (``os._exit``, a crash) at the start-up check is a ConfigError
+naming it, without a traceback (exit 2).
 
 Mistakes raise :class:`mugrpo.errors.ConfigError` naming the key, at start: the factory is tried
 (two instances made and closed, each call bounded by ``env.reset_timeout_s``, an exception or a
@@ -29,15 +38,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from mugrpo.errors import ConfigError, UserError
-from mugrpo.rollout.calls import CallRunner, process_tool_runner
+from mugrpo.rollout.calls import CallRunner, ProcessExit, process_tool_runner
 from mugrpo.rollout.envs import ENVIRONMENTS
 from mugrpo.rollout.envs.base import EnvFactory, Environment
-from mugrpo.rollout.envs.isolated import ProcessEnvironment
+from mugrpo.rollout.envs.isolated import NotPortable, ProcessEnvironment
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
@@ -57,7 +67,7 @@ class EnvSummary:
     """Why ``tools()`` gave no list (it raised or hung), or None."""
     max_turns: int
     stop: tuple[str, ...]
-    isolation: str = "steps and tool calls on threads (env.step_isolation=thread, env.tool_isolation=thread)"
+    isolation: str = "steps in a worker process per environment (env.step_isolation=process)"
     """Where the environment's steps and its tool calls run, for the start-up line."""
 
 
@@ -82,20 +92,30 @@ def build_env_factory(task_cfg, env_cfg, task=None) -> Optional[EnvFactory]:
                               f"{list(ENVIRONMENTS.names())})")
         if not tools:
             return None
-        runner = process_tool_runner() if getattr(env_cfg, "tool_isolation", "thread") == "process" else None
-        return _checked(_isolated(functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s,
-                                                    runner, error_prefix=getattr(env_cfg, "tool_error_prefix", None)),
-                                  env_cfg), "task.tools", _timeout(env_cfg))
+        runner = process_tool_runner() if _tools_in_processes(tools, env_cfg) else None
+        factory = functools.partial(ToolEnvironment, tools, env_cfg.max_turns, env_cfg.tool_timeout_s, runner,
+                                    error_prefix=getattr(env_cfg, "tool_error_prefix", None))
+        # The tool environment is mugrpo's code: with its tools in worker processes it needs no worker itself.
+        return _checked(factory if runner is not None else _isolated(factory, env_cfg), "task.tools", _timeout(env_cfg))
     if tools:
         raise ConfigError("task.tools with task.env: tools make their own environment (a tool environment); "
                           "give the tools to your environment's tools() instead, or drop task.env")
     target = _resolve_env(spec)
     if isinstance(target, type) and issubclass(target, Environment):
-        return _checked(_isolated(functools.partial(target, **_defaults(target, args, env_cfg, task)), env_cfg),
+        factory = functools.partial(target, **_defaults(target, args, env_cfg, task))
+        return _checked(factory if spec in THREAD_BUILTINS else _isolated(factory, env_cfg),
                         "task.env_args", _timeout(env_cfg), "max_turns" in args)
     if not callable(target):
         raise ConfigError(f"task.env={spec!r} is a {type(target).__name__}, not an environment class or factory")
     return _from_callable(target, args, env_cfg)
+
+
+THREAD_BUILTINS = ("calculator", "multi_attempt")
+"""Built-in environments (by ``task.env`` name) whose steps run on threads whatever ``env.step_isolation``
+says: their code is mugrpo's own (the calculator's parser, the task's built-in correctness), so a
+worker process per environment (about 60 ms to start, one process per live trajectory:
+docs/ENVIRONMENTS.md) would buy nothing. ``task.env=mugrpo.rollout.envs.builtin:CalculatorEnvironment``
+follows ``env.step_isolation``."""
 
 
 class _ImportModules:
@@ -111,6 +131,38 @@ class _ImportModules:
             importlib.import_module(name)
 
 
+def portable_problem(obj) -> Optional[str]:
+    """Why ``obj`` (a factory, a tool) cannot run in a worker process, or None: it must pickle, and by a
+    module the worker can import (not the script being run: the worker would run it again)."""
+    inner = getattr(obj, "func", obj)
+    module = getattr(inner, "__module__", None) or getattr(type(inner), "__module__", None)
+    name = getattr(inner, "__qualname__", None) or type(inner).__name__
+    if module == "__main__":
+        return f"{name} is defined in the script being run (__main__); define it in a module"
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - pickling user objects may raise anything
+        return f"{name} does not pickle ({type(exc).__name__}: {exc}); define it at a module's top level"
+    return None
+
+
+def _thread_fallback(key: str, why: str) -> None:
+    print(f"[mugrpo] warning: {key}=process: {why}, so it runs on threads of the trainer's process instead (an "
+          "os._exit or a hang is still caught; a crash in native code or a call holding the GIL is not)",
+          file=sys.stderr, flush=True)
+
+
+def _tools_in_processes(tools: list, env_cfg) -> bool:
+    """Whether ``task.tools`` run in worker processes: ``env.tool_isolation=process`` and every tool portable."""
+    if getattr(env_cfg, "tool_isolation", "process") != "process":
+        return False
+    for tool in tools:
+        if (why := portable_problem(tool)) is not None:
+            _thread_fallback("env.tool_isolation", f"tool {why}")
+            return False
+    return True
+
+
 def start_tool_workers(task_cfg, env_cfg) -> Optional[str]:
     """With ``task.tools`` under ``env.tool_isolation=process``: start the tool worker processes now (one
     per environment step that may run at once, ``env.max_workers``, up to the runner's 16), each with
@@ -119,7 +171,8 @@ def start_tool_workers(task_cfg, env_cfg) -> Optional[str]:
     timed out before its tool ran). Returns the line to print, or None (nothing to start). A worker
     that fails to start is a ConfigError naming the key."""
     tools = resolve_tools(getattr(task_cfg, "tools", None) or [])
-    if not tools or getattr(env_cfg, "tool_isolation", "thread") != "process" or task_cfg.env is not None:
+    if not tools or task_cfg.env is not None or getattr(env_cfg, "tool_isolation", "process") != "process" \
+            or any(portable_problem(t) is not None for t in tools):
         return None
     runner = process_tool_runner()
     count = min(env_cfg.max_workers, runner.max_workers)
@@ -194,16 +247,27 @@ def _timeout(env_cfg) -> float:
 def _isolated(factory: functools.partial, env_cfg) -> functools.partial:
     """``factory`` as ``env.step_isolation`` runs it: as it is (``thread``), or each environment made in a
     worker process of its own (``process``, :class:`mugrpo.rollout.envs.isolated.ProcessEnvironment`)."""
-    if getattr(env_cfg, "step_isolation", "thread") != "process":
+    if getattr(env_cfg, "step_isolation", "process") != "process":
         return factory
-    return functools.partial(ProcessEnvironment, factory, env_cfg.step_timeout_s, _timeout(env_cfg))
+    if (why := portable_problem(factory)) is not None:
+        _thread_fallback("env.step_isolation", f"the environment {why}")
+        return factory
+    return functools.partial(ProcessEnvironment, factory, getattr(env_cfg, "step_timeout_s", 30.0), _timeout(env_cfg))
 
 
 def _isolation_line(factory: functools.partial, tools: tuple) -> str:
+    if factory.func in (ENVIRONMENTS.get(name) for name in THREAD_BUILTINS):
+        return ("steps in threads of the trainer's process (a built-in environment, mugrpo's own code: "
+                "env.step_isolation does not apply)")
+    if factory.func is ToolEnvironment and _tool_runner(factory) == "process":
+        return ("tool calls in worker processes (env.tool_isolation=process); the tool environment, mugrpo's own, in "
+                "the trainer's process")
     steps = "process" if factory.func is ProcessEnvironment else "thread"
     where = "a worker process per environment" if steps == "process" else "threads of the trainer's process"
     line = f"steps in {where} (env.step_isolation={steps})"
-    if tools:
+    if tools and steps == "process":
+        line += "; its tool calls on threads in that worker, killed with it at env.step_timeout_s"
+    elif tools:
         runner = _tool_runner(factory)
         line += f"; tool calls in {'worker processes' if runner == 'process' else 'threads'} " \
                 f"(env.tool_isolation={runner})"
@@ -223,14 +287,22 @@ def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_g
     the environment's code (the two factory calls, the first's ``tools()``, the closes) is bounded by
     ``timeout_s``; a ``tools()`` that fails is the stage's to count (each item's is), so it is only noted."""
     runner, envs = CallRunner(1), []
-    # A constructor that exits the process (os._exit) takes this message with it; under
-    # env.step_isolation=process it exits its worker instead, and the error below names it.
-    print(f"[mugrpo] start-up check: making two environments with {_target(factory)} "
-          f"(env.step_isolation={'process' if factory.func is ProcessEnvironment else 'thread'})", file=sys.stderr,
+    # A constructor that exits the process (os._exit) exits its worker (env.step_isolation=process), or
+    # raises ProcessExit on the check's thread (thread): either way the error below names it; a crash in
+    # native code under thread isolation takes this message with it.
+    where = ("env.step_isolation=process" if factory.func is ProcessEnvironment else
+             "env.tool_isolation=process" if _tool_runner(factory) == "process" else "env.step_isolation=thread")
+    print(f"[mugrpo] start-up check: making two environments with {_target(factory)} ({where})", file=sys.stderr,
           flush=True)
     try:
         for _ in range(2):
-            envs.append(_make_checked(runner, factory, key, timeout_s))
+            try:
+                envs.append(_make_checked(runner, factory, key, timeout_s))
+            except NotPortable as exc:  # it pickled here but does not load in the worker
+                _thread_fallback("env.step_isolation", f"the environment {_target(factory)} does not load in a "
+                                                       f"worker process ({exc})")
+                factory = factory.args[0]
+                envs.append(_make_checked(runner, factory, key, timeout_s))
         tools = runner.run([lambda: list(envs[0].tools())], timeout_s, name="mugrpo-env-check")[0]
     finally:
         _close_bounded(envs, timeout_s)
@@ -266,6 +338,12 @@ def _make_checked(runner: CallRunner, factory: functools.partial, key: str, time
     if r.timed_out:
         raise ConfigError(f"{key}: making the environment ({target}) at start ran past env.reset_timeout_s="
                           f"{timeout_s:g} s")
+    if isinstance(r.exception, NotPortable):
+        raise r.exception
+    if r.exited is not None:  # os._exit or a crash: the code is what there is to say, a traceback is noise
+        raise ConfigError(f"{key}: making the environment ({target}) at start ended its process (exit code "
+                          f"{r.exited}: os._exit or a crash in native code); an environment's constructor must "
+                          "return, or raise an exception to refuse") from None
     if isinstance(r.exception, (TypeError, ValueError)):  # most often arguments it does not take
         raise ConfigError(f"{key}: {r.exception}") from r.exception
     if r.error is not None:

@@ -134,6 +134,9 @@ class SkyRLGymEnvironment(Environment):
     keys its environments read), ``init`` on the prompt, then ``step`` forwarded. Its per-step
     rewards are the environment reward; ``get_metrics()`` are the metrics."""
 
+    preload_modules = ("skyrl_gym",)
+    """Imported once by the fork server under ``env.step_isolation=process``, not by each worker."""
+
     def __init__(self, env_id: str, env_config: Optional[dict] = None, max_turns: int = 5):
         if env_id not in SKYRL_OFFLINE:
             raise ValueError(f"skyrl-gym environment {env_id!r} is not one that runs offline; "

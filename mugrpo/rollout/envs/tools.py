@@ -10,7 +10,10 @@ system text that teaches the protocol (:mod:`.render` decides which, and renders
 
 Nothing a model writes can crash a run: an unknown tool, a call that is not JSON, arguments that
 do not bind to the signature, a tool that raises, and a tool that runs past its timeout all come
-back to the model as ``{"error": "..."}`` and are counted in :attr:`StepResult.metadata`:
+back to the model as ``{"error": "..."}`` and are counted in :attr:`StepResult.metadata` (a tool that
+ends its process, ``os._exit`` or a crash, is not the model's doing: the step raises
+:class:`~mugrpo.rollout.calls.ProcessExit` naming the tool, and the loop ends that trajectory as
+``env_error``):
 
 - ``tool_calls``: calls attempted (well-formed or not);
 - ``tool_errors``: calls answered with an error, all causes together; broken down into
@@ -26,9 +29,10 @@ run on it too): at most 16 at a time across all tool environments of the process
 (:data:`~mugrpo.rollout.calls.TOOL_RUNNER`, unless an environment is given its own ``runner``), so
 slow tools of different trajectories overlap. A call's timeout runs from its start; a timed-out
 call gives its slot back, and its daemon thread runs on unobserved (it never blocks the exit; the
-hung threads are capped). With ``env.tool_isolation=process`` the calls run in worker processes,
-killed at their timeout (:func:`~mugrpo.rollout.calls.process_tool_runner`): the tools must then
-pickle (module-level functions).
+hung threads are capped). Under ``env.tool_isolation=process`` (a run's default for ``task.tools``)
+the calls run in worker processes, killed at their timeout
+(:func:`~mugrpo.rollout.calls.process_tool_runner`): the tools must then pickle (module-level
+functions; :mod:`.build` falls back to threads, with a warning, for tools that do not).
 
 This module knows nothing about tokens (that is :mod:`.render`) nor about the rollout loop.
 """
@@ -43,7 +47,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from mugrpo.rollout.calls import TOOL_RUNNER, CallRunner
+from mugrpo.rollout.calls import TOOL_RUNNER, CallRunner, ProcessExit
 from mugrpo.rollout.envs.base import Environment, StepResult
 
 __all__ = ["ToolCall", "parse_tool_calls", "tool_schemas", "protocol_text", "ToolEnvironment",
@@ -205,6 +209,9 @@ class ToolEnvironment(Environment):
         outcomes = self.runner.run([_bound(fn, calls[i].arguments) for fn, i in zip(fns, runnable)], self.timeout_s,
                                    name="mugrpo-tool")
         for i, outcome in zip(runnable, outcomes):
+            if outcome.exited is not None:  # not the model's doing: the trajectory ends (env_error), counted
+                raise ProcessExit(f"tool {calls[i].name!r} ended its process (exit code {outcome.exited}): "
+                                  f"{outcome.exception}", outcome.exited)
             if outcome.ok:
                 contents[i] = _result_text(outcome.value)
                 if self.error_prefix and isinstance(outcome.value, str) and outcome.value.startswith(self.error_prefix):
@@ -215,8 +222,7 @@ class ToolEnvironment(Environment):
             if outcome.timed_out:
                 counts["tool_timeouts"] += 1
                 contents[i] = _error(f"tool {calls[i].name!r} did not return within {self.timeout_s:g} s")
-                if self.runner.isolation == "thread":
-                    _warn_thread_timeout(calls[i].name, self.timeout_s)
+                _warn_timeout(calls[i].name, self.timeout_s, self.runner.isolation)
             else:
                 counts["tool_exceptions"] += 1
                 exc = outcome.exception
@@ -248,15 +254,19 @@ class ToolEnvironment(Environment):
         return None
 
 
-_warned_thread_timeout = False
+_warned_timeout: set[str] = set()
 
 
-def _warn_thread_timeout(name: str, timeout_s: float) -> None:
-    """Once per process: a timed-out call under thread isolation runs on, and may hold the GIL."""
-    global _warned_thread_timeout
-    if _warned_thread_timeout:
+def _warn_timeout(name: str, timeout_s: float, isolation: str) -> None:
+    """Once per tool and process: a call ran past its timeout (and, under thread isolation, runs on)."""
+    if name in _warned_timeout:
         return
-    _warned_thread_timeout = True
+    _warned_timeout.add(name)
+    if isolation == "process":
+        print(f"[mugrpo] warning: tool {name!r} ran past env.tool_timeout_s={timeout_s:g} s: its worker process was "
+              "killed, the call answered with an error and counted in env/tool_timeouts; the run goes on",
+              file=sys.stderr, flush=True)
+        return
     print(f"[mugrpo] warning: tool {name!r} ran past env.tool_timeout_s={timeout_s:g} s under env.tool_isolation="
           "thread: the call was answered with an error, but its thread cannot be killed and runs on (one that holds "
           "the GIL, e.g. a catastrophic regex, stalls the whole run). Set env.tool_isolation=process to have such "

@@ -14,7 +14,7 @@ from mugrpo.rollout.tasks import Item, Task
 
 pytestmark = pytest.mark.unit
 
-ENV = SimpleNamespace(max_turns=3, tool_timeout_s=2.5)
+ENV = SimpleNamespace(max_turns=3, tool_timeout_s=2.5, step_isolation="thread")  # what is built, not where it runs
 
 
 def task_cfg(env=None, env_args=None, tools=None):

@@ -1,7 +1,9 @@
-"""``env.step_isolation=process`` (mugrpo.rollout.envs.isolated, wired by mugrpo.rollout.envs.build): each
-environment lives in a worker process with its state; a process exit or a spin in a step ends that
-trajectory, counted, and the run goes on; the start-up check names an environment whose constructor
-exits. Real worker processes, no stand-ins."""
+"""``env.step_isolation=process``, the default (mugrpo.rollout.envs.isolated, wired by
+mugrpo.rollout.envs.build): each environment lives in a worker process with its state; a process exit
+or a spin in a step, a tool that exits or never returns, ends that trajectory, counted, and the run
+goes on; under thread isolation an os._exit is caught too; an environment that does not pickle runs on
+threads with a warning; a constructor that exits stops the start with exit 2 naming it. Real worker
+processes, no stand-ins."""
 import functools
 import os
 import subprocess
@@ -82,18 +84,48 @@ def test_the_config_builds_process_environments_and_says_so():
 def test_the_default_isolation_is_named_in_the_start_up_line():
     cfg = load_config(overrides=["task.tools=['mugrpo.rollout.envs.builtin:calculate']"])
     rows = dict(describe_env(build_env_factory(cfg.task, cfg.env).summary))
+    assert rows["environment isolation"] == ("tool calls in worker processes (env.tool_isolation=process); the tool "
+                                             "environment, mugrpo's own, in the trainer's process")
+    cfg = load_config(overrides=["task.env=hostile_envs:Counting", "task.reward_fn=none"])
+    rows = dict(describe_env(build_env_factory(cfg.task, cfg.env).summary))
+    assert rows["environment isolation"] == "steps in a worker process per environment (env.step_isolation=process)"
+    cfg = load_config(overrides=["task.tools=['mugrpo.rollout.envs.builtin:calculate']", "env.tool_isolation=thread",
+                                 "env.step_isolation=thread"])
+    rows = dict(describe_env(build_env_factory(cfg.task, cfg.env).summary))
     assert rows["environment isolation"] == ("steps in threads of the trainer's process (env.step_isolation=thread); "
                                              "tool calls in threads (env.tool_isolation=thread)")
 
 
-def test_a_constructor_that_exits_is_named_at_the_start_up_check(capsys):
-    cfg = load_config(overrides=["task.env=hostile_envs:ExitsWhenMade", *ENV_CFG])
-    with pytest.raises(ConfigError, match=r"task.env_args: making the environment \(ExitsWhenMade\) at start failed: "
-                                          r"RuntimeError: the environment's worker process died during its start "
-                                          r"\(exit code 9"):
+@pytest.mark.parametrize("isolation", ["process", "thread"])
+def test_a_constructor_that_exits_is_named_at_the_start_up_check_without_a_traceback(capsys, isolation):
+    cfg = load_config(overrides=["task.env=hostile_envs:ExitsWhenMade", "task.reward_fn=none",
+                                 f"env.step_isolation={isolation}"])
+    with pytest.raises(ConfigError, match=r"task.env_args: making the environment \(ExitsWhenMade\) at start ended its "
+                                          r"process \(exit code 9") as caught:
         build_env_factory(cfg.task, cfg.env)
-    # Under thread isolation the process itself exits: the line printed before names what was being made.
-    assert "making two environments with ExitsWhenMade (env.step_isolation=process)" in capsys.readouterr().err
+    assert "Traceback" not in str(caught.value)
+    assert f"making two environments with ExitsWhenMade (env.step_isolation={isolation})" in capsys.readouterr().err
+
+
+def test_under_thread_isolation_a_process_exit_in_a_step_ends_that_trajectory_naming_the_step():
+    dying, fine = roll_out([Counting(exit_at=2), Counting()])  # in this process: steps on the loop's threads
+    assert (dying.end_reason, dying.env_reward, dying.num_turns) == ("env_error", 1.0, 2)
+    assert (fine.end_reason, fine.env_reward) == ("done", 6.0)
+    assert "Counting.step" in dying.error and "called os._exit(5)" in dying.error
+    assert os.getpid() and os._exit.__name__ == "_guarded_exit"  # this process is still here, guarded
+
+
+def test_an_environment_that_does_not_pickle_runs_on_threads_with_a_warning(capsys):
+    class Inline(Counting):  # defined in a function: a worker process cannot import it
+        pass
+
+    cfg = load_config(overrides=["task.reward_fn=none"])
+    cfg.task.env = Inline
+    rows = dict(describe_env(build_env_factory(cfg.task, cfg.env).summary))
+    assert rows["environment isolation"] == "steps in threads of the trainer's process (env.step_isolation=thread)"
+    err = capsys.readouterr().err
+    assert "warning: env.step_isolation=process: the environment " in err and "<locals>.Inline does not pickle" in err
+    assert "runs on threads of the trainer's process instead" in err
 
 
 def test_step_isolation_is_validated():
@@ -111,17 +143,28 @@ def _run(tmp_path, tiny_model_dir, *extra):
                            "eval.num_items=0", "train.threads=1", *extra], capture_output=True, text=True, env=env)
 
 
-def test_a_run_survives_a_process_exit_in_every_step_and_counts_it(tmp_path, tiny_model_dir):
-    r = _run(tmp_path, tiny_model_dir, "task.env=hostile_envs:Counting", "task.env_args={exit_at: 1}",
-             "env.step_isolation=process")
+@pytest.mark.parametrize("env,args,warning", [
+    ("Counting", "{exit_at: 1}", "environment hostile_envs.Counting: its worker process died during step (exit code 5"),
+    ("ForcedTool", "{tool: die}", "tool 'die' ended its process (exit code 3)"),
+    ("ForcedTool", "{tool: backtrack}", "env timeout (hostile_envs.ForcedTool)"),
+])
+def test_with_no_isolation_keys_user_code_that_exits_or_hangs_ends_its_trajectory_and_the_run_goes_on(
+        tmp_path, tiny_model_dir, env, args, warning):
+    r = _run(tmp_path, tiny_model_dir, f"task.env=hostile_envs:{env}", f"task.env_args={args}", "task.reward_fn=none",
+             "env.tool_timeout_s=1", "env.step_timeout_s=3", "task.max_prompt_tokens=1000")  # the tool protocol text
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "environment isolation" in r.stdout and "env.step_isolation=process" in r.stdout
+    assert "env.step_isolation=process" in r.stdout
+    assert warning in r.stdout, r.stdout[-3000:]
     (stage,) = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if m["kind"] == "stage"]
-    # 2 prompts x 2 trajectories: each that reached a step (its turn not cut at the token budget) lost its worker
-    assert stage["env/num_env_error"] >= 1 and stage["env/num_env_error"] + stage["env/num_length"] == 4.0
+    failed = stage.get("env/num_env_error", 0) + stage.get("env/num_env_timeout", 0)
+    # 2 prompts x 2 trajectories: each that reached a step (its turn not cut at the token budget) failed there
+    assert failed >= 1 and failed + stage.get("env/num_length", 0) == 4.0
 
 
-def test_under_thread_isolation_a_constructor_that_exits_is_named_before_the_exit(tmp_path, tiny_model_dir):
-    r = _run(tmp_path, tiny_model_dir, "task.env=hostile_envs:ExitsWhenMade")
-    assert r.returncode == 9  # os._exit cannot be caught in the process: docs/ENVIRONMENTS.md says so
-    assert "making two environments with ExitsWhenMade (env.step_isolation=thread)" in r.stderr
+@pytest.mark.parametrize("isolation", [None, "thread"])
+def test_a_constructor_that_exits_stops_the_run_with_exit_2_naming_it(tmp_path, tiny_model_dir, isolation):
+    r = _run(tmp_path, tiny_model_dir, "task.env=hostile_envs:ExitsWhenMade", "task.reward_fn=none",
+             *([f"env.step_isolation={isolation}"] if isolation else []))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "making the environment (ExitsWhenMade) at start ended its process (exit code 9" in r.stderr
+    assert "Traceback" not in r.stderr

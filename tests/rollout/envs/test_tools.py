@@ -342,3 +342,15 @@ def test_counts_per_tool_and_the_tool_use_fractions():
     out = loop_metrics(trajs)
     assert out["env/num_with_tool_call"] == 2 and out["env/tool_call_frac"] == pytest.approx(2 / 3)
     assert out["env/tool_success_frac"] == pytest.approx(0.5) and out["env/tool_calls/add"] == 2
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_tool_that_ends_its_process_ends_the_step_naming_the_tool(isolation):
+    import guard_tools
+    from mugrpo.rollout.calls import ProcessExit
+
+    env = ToolEnvironment([guard_tools.die, guard_tools.add], timeout_s=20.0, runner=CallRunner(2, isolation=isolation))
+    with pytest.raises(ProcessExit, match=r"tool 'die' ended its process \(exit code 3\)"):
+        env.step('<tool_call>{"name": "die", "arguments": {"x": 0}}</tool_call>')
+    ok = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')  # the tools serve on
+    assert ok.observations[0]["content"] == "5"

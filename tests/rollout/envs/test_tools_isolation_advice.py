@@ -1,4 +1,5 @@
-"""A tool call past its timeout under thread isolation points to process isolation (mugrpo.rollout.envs.tools)."""
+"""A tool call past its timeout is warned about once per tool: under thread isolation pointing to process
+isolation, under process isolation saying the worker was killed (mugrpo.rollout.envs.tools)."""
 import time
 
 from mugrpo.rollout.calls import CallRunner
@@ -20,7 +21,7 @@ CALL = '<tool_call>{"name": "nap", "arguments": {"seconds": 3}}</tool_call>'
 
 
 def test_a_timeout_under_thread_isolation_says_once_to_use_process(capsys, monkeypatch):
-    monkeypatch.setattr(tools_module, "_warned_thread_timeout", False)
+    monkeypatch.setattr(tools_module, "_warned_timeout", set())
     env = ToolEnvironment([nap], timeout_s=0.2, runner=CallRunner(2))
     for _ in range(2):
         assert env.step(CALL).metadata["tool_timeouts"] == 1
@@ -29,8 +30,10 @@ def test_a_timeout_under_thread_isolation_says_once_to_use_process(capsys, monke
     assert "Set env.tool_isolation=process" in err
 
 
-def test_no_such_advice_under_process_isolation(capsys, monkeypatch):
-    monkeypatch.setattr(tools_module, "_warned_thread_timeout", False)
+def test_under_process_isolation_the_warning_says_the_worker_was_killed(capsys, monkeypatch):
+    monkeypatch.setattr(tools_module, "_warned_timeout", set())
     env = ToolEnvironment([nap], timeout_s=0.2, runner=CallRunner(1, isolation="process"))
     assert env.step(CALL).metadata["tool_timeouts"] == 1
-    assert "env.tool_isolation" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "env.tool_isolation" not in err
+    assert "warning: tool 'nap' ran past env.tool_timeout_s=0.2 s: its worker process was killed" in err
