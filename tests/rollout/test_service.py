@@ -215,3 +215,16 @@ def test_sigterm_stops_the_service_cleanly(svc):  # the module's last test: its 
     assert svc.stop() == 0
     err = "".join(svc.lines)
     assert "terminate called" not in err and "Traceback" not in err and "stopped" in err
+
+
+@pytest.mark.unit
+def test_the_default_weights_folder_is_shared_memory_where_it_exists(monkeypatch):
+    import tempfile
+
+    from mugrpo.rollout import service
+
+    monkeypatch.setattr(service.os.path, "isdir", lambda p: p == "/dev/shm")
+    assert service.default_weights_dir() == "/dev/shm/mugrpo-weights"
+    monkeypatch.setattr(service.os.path, "isdir", lambda p: False)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: "/var/tmp")
+    assert service.default_weights_dir() == "/var/tmp/mugrpo-weights"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from mugrpo.config import ConfigError, load_config
 from mugrpo.config.plan import format_plan, make_plan
 from mugrpo.observability.loggers import read_metrics
-from mugrpo.kit.checkpoint import RunState
+from mugrpo.stages.state import RLState
 from mugrpo.stages.ahead import AheadStages, IdleLedger, PolicySnapshot, lag_metrics
 from mugrpo.stages.data import StageData
 
@@ -157,14 +157,14 @@ def test_a_stop_saves_the_in_flight_stages_weights_and_the_resume_generates_from
     resumed, policy = _source(tmp_path)
     with torch.no_grad():
         policy.weight.fill_(5.0)  # the resumed weights: stage 1 after some of its updates
-    snaps = resumed._snapshots(RunState(stage=1, update=3, update_in_stage=1), [2])
+    snaps = resumed._snapshots(RLState(stage=1, update=3, update_in_stage=1), [2])
     assert snaps[2].version == 1 and snaps[2].tensors["weight"].equal(torch.ones(2, 2))
 
 
 @pytest.mark.unit
 def test_a_kill_that_lost_the_weights_generates_from_the_resumed_ones_and_says_so(tmp_path, capsys):
     source, policy = _source(tmp_path)
-    snaps = source._snapshots(RunState(stage=1, update=3, update_in_stage=1), [2])
+    snaps = source._snapshots(RLState(stage=1, update=3, update_in_stage=1), [2])
     # version 1 (stage 1 after 1 update): lag 2 - 1 = 1 recorded, the weights a stage fresher than meant
     assert snaps[2].version == 1 and not snaps[2].at_start
     out = capsys.readouterr().out
@@ -180,7 +180,7 @@ def test_at_a_stages_start_the_stages_of_its_version_come_from_the_policy_and_ol
     # k = 2, resumed at stage 3's start: stage 4 was requested at stage 2's start (version 2, lost), stage 5
     # is requested now (version 3: the policy's own weights, exactly).
     source, policy = _source(tmp_path, k=2)
-    snaps = source._snapshots(RunState(stage=3, update=6, update_in_stage=0), [4, 5])
+    snaps = source._snapshots(RLState(stage=3, update=6, update_in_stage=0), [4, 5])
     assert snaps[5].version == 3 and snaps[5].at_start
     assert snaps[4].version == 3 and not snaps[4].at_start
     assert "stage 4 was in flight from the weights of stage 2's start" in capsys.readouterr().out
