@@ -4,9 +4,9 @@
     PYTHONPATH=. .venv/bin/python -m benchmarks memory job --label short -- schedule.total_updates=8 ...
 
 ``job`` runs ``bash scripts/train.sh --run-dir DIR [overrides]`` (the README's first command) and samples
-every 0.1 s the resident memory of every process in its tree, summed (``Pss``: a page two processes
-share counts once), and each process's own high-water mark (``VmHWM``, what ``/usr/bin/time -v``
-reports as its maximum resident set size). A sample is labelled with the phase the run is in, read from what
+every 0.1 s the resident memory of its whole process tree (the job's process by ``VmRSS``, any
+child by ``Pss``, so a forked child's shared pages are not counted twice), and each process's own
+high-water mark (``VmHWM``, what ``/usr/bin/time -v`` reports as its maximum resident set size). A sample is labelled with the phase the run is in, read from what
 the run has written so far: ``start`` (model load, engine start, the starting evaluation) until the
 first record, then ``stage S generate`` until the stage's data is on disk, ``stage S optimise`` until
 its stage record, and the stage end (evaluation, checkpoint) until the next stage's data. The result
@@ -115,7 +115,8 @@ def sample(cmd: list[str], run_dir: Path, log: Path, env: dict, cwd: Path = ROOT
         proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **ENV, **env}, stdout=fh, stderr=subprocess.STDOUT)
         while proc.poll() is None:
             pids = tree(proc.pid)
-            rss = sum(_pss_kib(p) for p in pids)
+            # the job's own process by VmRSS (what its high-water mark measures), any child by its Pss
+            rss = _status_kib(proc.pid, "VmRSS") + sum(_pss_kib(p) for p in pids if p != proc.pid)
             for p in pids:
                 hwm[p] = max(hwm.get(p, 0), _status_kib(p, "VmHWM"))
             records = _read_records(run_dir / "metrics.jsonl", records)
@@ -194,7 +195,10 @@ def part_traces(args) -> dict:
         for _, tree_gb, _, name in rows:
             peaks[name] = round(max(peaks.get(name, 0.0), float(tree_gb)), 3)
         out[label] = {"peak_by_phase_gb": peaks, "peak_hwm_gb": max(float(r[2]) for r in rows),
-                      "seconds_sampled": float(rows[-1][0]), "last_phase": rows[-1][3]}
+                      "seconds_sampled": float(rows[-1][0]), "last_phase": rows[-1][3],
+                      "plan": plan_lines(WORK / f"job-{label}.log")}
+        if (WORK / f"job-{label}" / "metrics.jsonl").is_file():
+            out[label].update(learning(WORK / f"job-{label}"))
     return out
 
 
