@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does this checkout train exactly as an earlier commit does? Runs the same short deterministic run
 # of the tiny model (built in code, HF engine, float32) with both, then compares every metric
-# (perf/* and time_s aside; a warm start's own metrics too) and the final weights bitwise. Used to
+# (perf/* and eval/perf/* timings and time_s aside; a warm start's own metrics too) and the final weights bitwise. Used to
 # check refactors (issues 19, 39).
 #   bash benchmarks/same_result.sh OLD_COMMIT [key=value ... | --replay SOURCE_RUN]   one train run
 #   bash benchmarks/same_result.sh OLD_COMMIT --sft [key=value ...]                   one sft run
@@ -45,7 +45,7 @@ def records(run):
     out = []
     for sub in ("warmstart/metrics.jsonl", "metrics.jsonl"):  # a train run's warm start first, then its own
         if os.path.isfile(f"{run}/{sub}"):
-            out += [{k: v for k, v in json.loads(line).items() if not (k.startswith("perf/") or k == "time_s")}
+            out += [{k: v for k, v in json.loads(line).items() if not ("perf/" in k or k == "time_s")}
                     for line in open(f"{run}/{sub}")]
     return out
 old, new = records(a_dir), records(b_dir)
