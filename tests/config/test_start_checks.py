@@ -14,7 +14,7 @@ from mugrpo.rollout.envs.build import build_env_factory
 
 pytestmark = pytest.mark.unit
 
-ENV_CFG = SimpleNamespace(max_turns=4, tool_timeout_s=1.0)
+ENV_CFG = SimpleNamespace(max_turns=4, tool_timeout_s=1.0, step_isolation="thread")  # envs with class-level state
 
 
 def _task(env, **args):
@@ -114,7 +114,7 @@ class Opaque:
 
 
 def test_env_args_yaml_cannot_hold_are_recorded_as_python_labels():
-    cfg = load_config(overrides=[f"task.env={__name__}:Echo"])
+    cfg = load_config(overrides=[f"task.env={__name__}:Echo", "env.step_isolation=thread"])  # Opaque: in-process
     marker = Opaque()
     cfg.task.env_args = {"marker": marker, "pair": (1, 2), "fn": len}
     text = dump_yaml(cfg)  # before: yaml.representer.RepresenterError

@@ -29,7 +29,7 @@ def test_a_step_waits_for_no_worker_start_once_the_workers_are_started():
 
 def test_thread_isolation_has_nothing_to_start():
     assert CallRunner(2).prestart(4) == 0.0
-    cfg = load_config(overrides=["task.tools=[guard_tools:add]"])
+    cfg = load_config(overrides=["task.tools=[guard_tools:add]", "env.tool_isolation=thread"])
     assert start_tool_workers(cfg.task, cfg.env) is None
 
 

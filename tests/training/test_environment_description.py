@@ -37,7 +37,7 @@ def test_train_says_what_the_environment_is_and_makes_no_environment_for_it(tmp_
     cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES,
                                             f"task.env={__name__}:Counted", "rollout.max_new_tokens=16",
                                             "env.max_turns=3", "eval.num_items=0", "schedule.total_updates=2",
-                                            "schedule.num_stages=2"])
+                                            "schedule.num_stages=2", "env.step_isolation=thread"])  # counted here
     train(cfg, tmp_path / "run")
     out = capsys.readouterr().out
     rows = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in out.splitlines()
@@ -75,6 +75,7 @@ def _task(env):
     cfg = load_config(overrides=[])
     cfg.task.env = env
     cfg.env.reset_timeout_s = 0.5
+    cfg.env.step_isolation = "thread"  # the calls counted and timed in this process
     return cfg
 
 

@@ -11,7 +11,8 @@ from mugrpo.pipeline import train
 def test_a_run_through_a_hostile_environment_trains_counted_and_reported(tmp_path, tiny_model_dir, capsys):
     cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES,
                                             "task.env=guard_envs:Flaky", "rollout.max_new_tokens=16",
-                                            "env.max_turns=3", "eval.num_items=0", "schedule.total_updates=4"])
+                                            "env.max_turns=3", "eval.num_items=0", "schedule.total_updates=4",
+                                            "env.step_isolation=thread"])  # its tracebacks as this process prints them
     train(cfg, tmp_path / "run")
     stages = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "stage"]
     assert len(stages) >= 2 and (tmp_path / "run" / "final_model").is_dir()
