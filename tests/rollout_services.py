@@ -57,6 +57,8 @@ def start(model_dir, *args, engine: str = "hf", env=None, timeout_s: float = 300
     """Start a service and wait for its ``listening on URL`` line (or its exit: AssertionError with its stderr).
     ``python``: the interpreter (e.g. .venv-vllm's for ``engine="vllm"``)."""
     key_args = ["--api-key", api_key] if api_key else []
+    if "--dtype" not in args:  # the tests' trainers pin rollout.dtype=float32; auto is bf16 on an AVX512-BF16 CPU
+        key_args += ["--dtype", "float32"]
     proc = subprocess.Popen([python, "-m", "mugrpo", "serve", "--engine", engine, "--model", str(model_dir),
                              "--port", "0", *key_args, *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env=env or service_env())

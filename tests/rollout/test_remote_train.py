@@ -93,6 +93,20 @@ def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(t
     _assert_same_run(reference, run_dir)
 
 
+def test_a_service_started_without_dtype_and_a_trainer_on_auto_precision_train_together(tmp_path, tiny_model_dir):
+    # The documented pair, as written, on whatever CPU runs this: neither side names a dtype, and both resolve
+    # it by one rule (bf16 where the CPU computes it natively, else float32), so the trainer's start-up check
+    # passes and the run trains. A mismatch would exit 2 naming rollout.dtype.
+    with serving(tiny_model_dir, "--dtype", "auto") as auto_svc:
+        overrides = [o for o in _overrides(tiny_model_dir, *_remote(auto_svc.url))
+                     if not o.startswith(("rollout.dtype=", "train.autocast="))]
+        run_dir = tmp_path / "run"
+        assert main(["train", "--run-dir", str(run_dir), *overrides, "schedule.total_updates=2",
+                     "schedule.num_stages=1", "eval.num_items=8"]) == 0
+    stages = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "stage"]
+    assert len(stages) == 1 and stages[0]["stage/num_sequences"] > 0
+
+
 def test_a_weights_folder_the_trainer_cannot_write_exits_2_naming_the_key(tmp_path, tiny_model_dir, capsys):
     from rollout.test_remote import _read_only_dir
 
