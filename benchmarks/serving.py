@@ -155,7 +155,7 @@ def agent(args) -> None:
     async_stages.CACHE.mkdir(parents=True, exist_ok=True)
     async_stages.prepare_calculator()
     model = async_stages.task_model("calculator")
-    ns = argparse.Namespace(updates=1, prompts=args.prompts, group_size=args.group_size, eval_items=4)
+    ns = argparse.Namespace(updates=1, prompts=args.prompts, group_size=args.group_size, eval_items=4, engine="remote")
     overrides = [o for o in async_stages.task_overrides("calculator", ns)
                  if not o.startswith(("rollout.engine=", "rollout.dtype="))]
     dtype = "float32"  # the warm-started model was saved in float32; both sides run it so
