@@ -331,8 +331,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer, keep: bool) -> dict 
     The same on any number of ranks, so a run may resume on another number of processes. Built
     directly from ``optimizer.state`` (``torch.distributed.checkpoint.state_dict`` would run a
     zero-lr ``step()`` on a fresh optimizer to create its state, which moves Adam's step count).
-    Only ranks with ``keep`` hold the result (CPU tensors; on one CPU process the live moments themselves, so write
-    it before the next step); the others return None.
+    Only ranks with ``keep`` hold the result (CPU tensors); the others return None.
     """
     named = _param_names(model, optimizer)
     state = {}
@@ -341,9 +340,7 @@ def full_optimizer_state(model: torch.nn.Module, optimizer, keep: bool) -> dict 
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if isinstance(value, torch.Tensor):
                 value = _full(value)  # a collective: every rank gathers, only ``keep`` ranks hold on
-                # No clone: the caller writes the state at once, before the next step, and on one CPU
-                # process a clone would hold a second copy of the moments (1.1 GB for a 135M model) meanwhile.
-                value = value.detach().cpu() if keep else None
+                value = value.detach().cpu().clone() if keep else None  # a copy: the next step changes the live one
             entry[key] = value
         if entry and keep:
             state[name] = entry

@@ -126,7 +126,7 @@ def test_resume_safe_keys_come_from_field_metadata():
                          "checkpoint.max_bad_updates", "task.reward_timeout_s", "rollout.batch_size",
                          "train.save_stage_text", "train.save_final_model", "parallel.activation_checkpointing",
                          "parallel.cpu_offload", "parallel.reshard_after_forward", "parallel.defer_grad_sync",
-                         "parallel.timeout_s", "env.max_workers", "warmstart.checkpoint_every", "eval.", "log.",
+                         "parallel.timeout_s", "env.max_workers", "env.max_inflight", "warmstart.checkpoint_every", "eval.", "log.",
                          # the services a remote run generates with may change (e.g. after a crash)
                          "rollout.remote.urls", "rollout.remote.weights_dir", "rollout.remote.timeout_s",
                          "rollout.remote.retries", "rollout.remote.stall_timeout_s", "rollout.remote.api_key",

@@ -16,7 +16,9 @@ from mugrpo.observability.loggers import read_metrics
 from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.pipeline import train
 
-PROMPT = ["task.few_shot=[]", "task.instruction=", "train.threads=1"]
+# In this process (threads): the skip messages are checked by the environment class's name, which a worker
+# process (the default isolation) reports as ProcessEnvironment in the start-failure message (left as is).
+PROMPT = ["task.few_shot=[]", "task.instruction=", "train.threads=1", "env.step_isolation=thread"]
 BAD = {"bad"}
 """The questions whose environment's reset raises (a test may set its own)."""
 
@@ -88,7 +90,7 @@ def test_a_runs_evaluation_skips_the_failing_item_and_records_it(tmp_path, tiny_
     cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES,
                                             f"task.env={__name__}:FailsOnBad", "eval.num_items=3",
                                             "eval.num_samples=0", "schedule.total_updates=1",
-                                            "schedule.num_stages=1"])
+                                            "schedule.num_stages=1", "env.step_isolation=thread"])
     from mugrpo.rollout.tasks import build_task
 
     first_held_out = build_task(cfg.task).eval_items[0].question
