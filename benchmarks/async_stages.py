@@ -118,6 +118,19 @@ def arm_overrides(arm: str, seed: int, args) -> list[str]:
     return ["--preset", preset, *out]
 
 
+def listening_url(proc: subprocess.Popen) -> str:
+    """The URL a starting ``mugrpo serve`` names in its ``listening on`` line (RuntimeError with its last log
+    lines if it exits first); its log is then drained on a thread, so the pipe never fills."""
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            return m.group(1)
+    raise RuntimeError(f"mugrpo serve did not start (exit {proc.wait()}):\n{''.join(lines[-30:])}")
+
+
 class Service:
     """``mugrpo serve --engine ENGINE`` on one core; its URL once it listens."""
 
@@ -127,15 +140,7 @@ class Service:
         self.proc = subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-m", "mugrpo", "serve", "--engine",
                                       engine, "--model", model, "--port", "0", *dtype],
                                      env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-        self.url = None
-        for line in self.proc.stderr:
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                break
-        if self.url is None:
-            raise RuntimeError(f"mugrpo serve did not start (exit {self.proc.wait()})")
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()  # never a full pipe
+        self.url = listening_url(self.proc)
 
     def close(self) -> None:
         self.proc.terminate()

@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.async_stages import listening_url
 from benchmarks.suite import common_arguments, write_result
 from mugrpo import faults
 
@@ -73,19 +73,7 @@ class Service:
                                       "--port", "0", "--dtype", dtype, *extra],
                                      env=_env(tree, 2), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                                      cwd=tree)
-        self.url, self.lines = None, []
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            m = re.search(r"listening on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                break
-        if self.url is None:
-            raise RuntimeError(f"mugrpo serve did not start (exit {self.proc.wait()}):\n{''.join(self.lines[-30:])}")
-        # the service's log goes on; drain it so the pipe never fills
-        import threading
-
-        threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
+        self.url = listening_url(self.proc)
 
     def close(self) -> None:
         self.proc.terminate()
