@@ -155,6 +155,8 @@ class BodyLimit:
     bytes (Content-Length or the bytes actually streamed, whichever shows it first), and with 408 when the
     client sends nothing for ``timeout_s`` before its body is in; then replays it."""
 
+    LINGER_S = 10.0
+
     def __init__(self, app: ASGIApp, limit: int, timeout_s: float = 30.0):
         self.app, self.limit, self.timeout_s = app, limit, timeout_s
 
@@ -164,7 +166,7 @@ class BodyLimit:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.limit):
-            await self._refuse(send)
+            await self._refuse(receive, send)
             return
         chunks, size, more = [], 0, True
         while more:
@@ -180,7 +182,8 @@ class BodyLimit:
             size += len(chunks[-1])
             more = message.get("more_body", False)
             if size > self.limit:
-                await self._refuse(send)
+                chunks.clear()
+                await self._refuse(receive, send, more)
                 return
         replayed = False
 
@@ -193,7 +196,18 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, receive: Receive, send: Send, more: bool = True) -> None:
+        """Answers 413 after discarding what the client still sends (for at most ``LINGER_S``, nothing kept): a
+        connection closed on unread bytes is reset, and the reset can destroy the answer before the client
+        reads it (a lingering close, as nginx does)."""
+        deadline = asyncio.get_running_loop().time() + self.LINGER_S
+        while more:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                message = await asyncio.wait_for(receive(), max(left, 0.0))
+            except asyncio.TimeoutError:
+                break
+            more = message["type"] == "http.request" and message.get("more_body", False)
         await answer_json(send, 413, {"error": f"the request body is larger than this service's limit of "
                                            f"{self.limit / 2**20:g} MB (--max-body-mb)"}, [(b"connection", b"close")])
 

@@ -16,9 +16,7 @@ from mugrpo.observability.loggers import read_metrics
 from mugrpo.rollout.envs.base import Environment, StepResult
 from mugrpo.pipeline import train
 
-# In this process (threads): the skip messages are checked by the environment class's name, which a worker
-# process (the default isolation) reports as ProcessEnvironment in the start-failure message (left as is).
-PROMPT = ["task.few_shot=[]", "task.instruction=", "train.threads=1", "env.step_isolation=thread"]
+PROMPT = ["task.few_shot=[]", "task.instruction=", "train.threads=1"]
 BAD = {"bad"}
 """The questions whose environment's reset raises (a test may set its own)."""
 
@@ -90,6 +88,7 @@ def test_a_runs_evaluation_skips_the_failing_item_and_records_it(tmp_path, tiny_
     cfg = load_config("mu-grpo", overrides=[f"model.name={tiny_model_dir}", *TINY_OVERRIDES,
                                             f"task.env={__name__}:FailsOnBad", "eval.num_items=3",
                                             "eval.num_samples=0", "schedule.total_updates=1",
+                                            # threads: BAD is patched in this process only
                                             "schedule.num_stages=1", "env.step_isolation=thread"])
     from mugrpo.rollout.tasks import build_task
 

@@ -48,6 +48,7 @@ from mugrpo.rollout.calls import CallRunner, ProcessExit, process_tool_runner
 from mugrpo.rollout.envs import ENVIRONMENTS
 from mugrpo.rollout.envs.base import EnvFactory, Environment
 from mugrpo.rollout.envs.isolated import NotPortable, ProcessEnvironment
+from mugrpo.rollout.envs.start import env_name
 from mugrpo.rollout.envs.tools import FactoryEnvironment, ToolEnvironment, tool_schemas
 from mugrpo.rollout.rewards import PYTHON_PREFIX
 
@@ -292,14 +293,14 @@ def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_g
     # native code under thread isolation takes this message with it.
     where = ("env.step_isolation=process" if factory.func is ProcessEnvironment else
              "env.tool_isolation=process" if _tool_runner(factory) == "process" else "env.step_isolation=thread")
-    print(f"[mugrpo] start-up check: making two environments with {_target(factory)} ({where})", file=sys.stderr,
+    print(f"[mugrpo] start-up check: making two environments with {env_name(factory)} ({where})", file=sys.stderr,
           flush=True)
     try:
         for _ in range(2):
             try:
                 envs.append(_make_checked(runner, factory, key, timeout_s))
             except NotPortable as exc:  # it pickled here but does not load in the worker
-                _thread_fallback("env.step_isolation", f"the environment {_target(factory)} does not load in a "
+                _thread_fallback("env.step_isolation", f"the environment {env_name(factory)} does not load in a "
                                                        f"worker process ({exc})")
                 factory = factory.args[0]
                 envs.append(_make_checked(runner, factory, key, timeout_s))
@@ -333,7 +334,7 @@ def _checked(factory: functools.partial, key: str, timeout_s: float, max_turns_g
 
 def _make_checked(runner: CallRunner, factory: functools.partial, key: str, timeout_s: float) -> Environment:
     """One environment from ``factory``, made bounded; ConfigError naming ``key`` if the call raised or hung."""
-    target = _target(factory)
+    target = env_name(factory)
     r = runner.run([factory], timeout_s, name="mugrpo-env-check")[0]
     if r.timed_out:
         raise ConfigError(f"{key}: making the environment ({target}) at start ran past env.reset_timeout_s="
@@ -349,14 +350,6 @@ def _make_checked(runner: CallRunner, factory: functools.partial, key: str, time
     if r.error is not None:
         raise ConfigError(f"{key}: making the environment ({target}) at start failed: {_what(r)}\n{r.error}")
     return r.value
-
-
-def _target(factory: functools.partial) -> str:
-    """What ``factory`` makes, by name (the wrapped factory's under process isolation)."""
-    if factory.func is ProcessEnvironment:
-        factory = factory.args[0]
-    func = getattr(factory, "func", factory)
-    return getattr(func, "__qualname__", None) or type(func).__name__
 
 
 def _what(r) -> str:

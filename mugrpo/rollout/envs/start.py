@@ -29,6 +29,7 @@ from typing import Optional
 from mugrpo.errors import TaskError
 from mugrpo.rollout.calls import CallRunner
 from mugrpo.rollout.envs.base import EnvFactory, Environment
+from mugrpo.rollout.envs.isolated import ProcessEnvironment
 from mugrpo.rollout.envs.render import trajectory_prompt_ids
 
 __all__ = ["start_trajectories", "reset_seed", "Started", "Skips", "env_name"]
@@ -146,8 +147,11 @@ def _check_messages(env: Environment, messages):
 
 
 def env_name(factory) -> str:
-    """The name of what ``factory`` makes (a class's or a function's), for messages."""
+    """The name of what ``factory`` makes (a class's or a function's), for messages; under process isolation
+    the name of what the worker makes, not of the wrapper."""
     target = getattr(factory, "func", factory)  # a functools.partial
+    if target is ProcessEnvironment:
+        return env_name(factory.args[0])
     return getattr(target, "__qualname__", None) or type(target).__name__
 
 
