@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 ENDS = ("done", "turn_limit", "length", "overflow", "env_error", "env_timeout", "env_bad_output")
 
@@ -31,6 +33,7 @@ def run_example(name: str, tmp_path: Path, model_dir: str, *extra: str) -> list[
     return stages
 
 
+@pytest.mark.slow  # ~28 s; tests/training/test_tool_signal.py trains with the calculator
 def test_calculator_example(tmp_path):
     from mugrpo.models.tiny import build_tiny_model
 
@@ -41,6 +44,7 @@ def test_calculator_example(tmp_path):
     assert sum(s["env/num_done"] for s in stages) > 0  # turns without a call ended trajectories as answers
 
 
+@pytest.mark.slow  # ~19 s
 def test_multi_attempt_example(tmp_path, tiny_model_dir):
     stages = run_example("env_multi_attempt.py", tmp_path, tiny_model_dir, "--attempts", "2")
     for s in stages:
@@ -51,6 +55,7 @@ def test_multi_attempt_example(tmp_path, tiny_model_dir):
     assert sum(s["env/num_env_tokens"] for s in stages) > 0  # "Incorrect, try again." was appended
 
 
+@pytest.mark.slow  # ~27 s
 def test_third_party_example(tmp_path, tiny_model_dir):
     stages = run_example("env_third_party.py", tmp_path, tiny_model_dir, "--max-turns", "2")
     assert all("env/steps" in s for s in stages)  # skyrl-gym's own get_metrics() came through

@@ -221,6 +221,7 @@ def test_two_process_run_learns_exports_one_hf_folder_and_resumes(two_rank_run, 
         torch.testing.assert_close(again[name], value, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow  # ~41 s; tests/kit/test_distributed.py's learning run resumes across ranks in the default tier
 @pytest.mark.distributed
 def test_a_stop_one_rank_receives_stops_every_rank_after_the_same_update(two_rank_run, tmp_path):
     # Resumed at the start of stage 3 (its data on disk: nothing to generate), SIGTERM reaches rank 1
@@ -292,6 +293,7 @@ def test_two_process_lora_run_matches_one_process_and_exports_merged_weights(tin
     assert len(adapter) == 28 and all(k.startswith("base_model.model.model.layers.") for k in adapter)
 
 
+@pytest.mark.slow  # ~23 s
 @pytest.mark.distributed
 def test_two_ranks_take_the_same_dynamic_sampling_rounds(tiny_model, tmp_path):
     # Dynamic sampling's round decisions use the largest shortfall over ranks and the summed counts,

@@ -13,6 +13,7 @@ from mugrpo.stages.data import StageData
 ENV = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12", "env.max_turns=3"]
 
 
+@pytest.mark.slow  # ~46 s
 @pytest.mark.distributed
 def test_two_ranks_with_an_environment_match_one_process_on_the_same_trajectories(tiny_model_dir, tmp_path):
     two = tmp_path / "two"

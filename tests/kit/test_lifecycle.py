@@ -66,6 +66,7 @@ def test_a_warm_start_folder_without_a_record_is_known_by_its_place(tmp_path):
     assert RunDir(tmp_path).kind() is None  # a run from before kinds were recorded: no claim made for it
 
 
+@pytest.mark.slow  # ~19 s
 def test_train_resume_of_an_sft_run_exits_2_naming_sft_and_writes_nothing(tiny_model_dir, demos, tmp_path):
     run = tmp_path / "sft"
     r = _mugrpo("sft", "--run-dir", run, f"model.name={tiny_model_dir}", f"warmstart.data={demos}", *SFT_KEYS)
@@ -86,6 +87,7 @@ def test_a_stop_before_any_heavy_import_exits_130_and_writes_nothing(tiny_model_
     assert not run.exists()
 
 
+@pytest.mark.slow  # ~41 s
 def test_a_stop_while_a_new_run_loads_writes_nothing_and_the_same_command_trains_as_uninterrupted(
         tiny_model_dir, tmp_path):
     whole = tmp_path / "whole"
@@ -128,6 +130,7 @@ def test_a_stop_between_the_warm_start_and_rl_names_the_run_and_resumes_into_rl(
     assert (run / "final_model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # ~11 s
 def test_a_stop_inside_the_warm_start_of_a_train_run_names_the_train_run(tiny_model_dir, demos, tmp_path):
     run = tmp_path / "run"
     r = _mugrpo("train", "--run-dir", run, f"model.name={tiny_model_dir}", f"warmstart.data={demos}", *RL_KEYS,

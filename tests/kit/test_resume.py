@@ -41,11 +41,11 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 
 @pytest.mark.parametrize("die_at", [
-    "generate:6",          # stage 1 generation, 2nd of its 4 batches (stage 0 finished and checkpointed)
+    pytest.param("generate:6", marks=pytest.mark.slow),  # stage 1 generation, 2nd of its 4 batches (stage 0 finished and checkpointed)
     pytest.param("generate:2", marks=pytest.mark.slow),  # stage 0 generation: no checkpoint exists yet
     "update:3",            # mid-stage 0, after update 3 (last checkpoint at update 2)
     pytest.param("update:6", marks=pytest.mark.slow),  # mid-stage 1
-    "checkpoint_write:2",  # inside the second checkpoint write, before its rename
+    pytest.param("checkpoint_write:2", marks=pytest.mark.slow),  # inside the second checkpoint write, before its rename
 ])
 def test_killed_and_resumed_run_is_bitwise_identical(tmp_path, tiny_model_dir, reference, die_at):
     run_dir = tmp_path / "run"
@@ -186,6 +186,7 @@ def test_resume_with_another_run_dir_is_refused(tmp_path, reference):
     assert not (tmp_path / "elsewhere").exists()
 
 
+@pytest.mark.slow  # ~11 s
 def test_resume_removes_temporary_files_left_by_a_kill(tmp_path, reference):
     run_dir = _copy(reference, tmp_path)
     stale = [run_dir / "stages" / "stage_001" / ".rollouts_rank0.safetensors.tmp-4242",
@@ -217,6 +218,7 @@ def test_truncated_stage_file_is_named_and_the_advice_works(tmp_path, reference)
     assert (run_dir / "final_model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # ~11 s; a corrupt newest checkpoint above keeps the fallback's check
 def test_corrupt_trainer_state_is_named_and_an_older_checkpoint_used(tmp_path, reference):
     run_dir = _copy(reference, tmp_path)
     state = sorted((run_dir / "checkpoints").glob("ckpt_*"))[-1] / "trainer_state.json"

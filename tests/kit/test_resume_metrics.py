@@ -32,7 +32,7 @@ def _eval_updates(run_dir):
 @pytest.mark.parametrize("extra, die_at, expected", [
     # Killed in stage 0's generation: the initial evaluation is logged, no checkpoint exists yet. The
     # resumed run starts over and evaluates the initial policy again.
-    ((), "generate:1", [0, 2, 4]),
+    pytest.param((), "generate:1", [0, 2, 4], marks=pytest.mark.slow),
     # Every 2 updates, checkpoints too; killed after update 3: ckpt at update 2 (after its evaluation).
     # The resumed run evaluates update 2 again at its start (2 is a multiple of eval.every_updates).
     (("eval.every_updates=1", "eval.every_stages=0", "schedule.num_stages=1", "checkpoint.every_updates=2"),

@@ -258,6 +258,7 @@ def test_one_update_moves_adapters_and_nothing_else(lora_run, tiny_model_dir):
     # stage 1's generation: the stage-0-end checkpoint's adapters are merged and synced again
     pytest.param("generate:6", marks=pytest.mark.slow),
 ])
+@pytest.mark.slow  # ~28 s
 def test_killed_lora_run_resumes_bitwise(tmp_path, tiny_model_dir, lora_run, die_at):
     run_dir = tmp_path / "run"
     killed = subprocess.run(_cmd(run_dir, tiny_model_dir), env=_env(die_at), capture_output=True, text=True)

@@ -357,7 +357,8 @@ def test_a_slow_service_takes_fewer_chunks(tiny_model_dir, svc, svc2, weights):
     engine.close()
 
 
-@pytest.mark.parametrize("fault", ["MUGRPO_DIE_AT", "MUGRPO_FREEZE_AT", "MUGRPO_HANG_AT"])
+@pytest.mark.parametrize("fault", ["MUGRPO_DIE_AT", pytest.param("MUGRPO_FREEZE_AT", marks=pytest.mark.slow),
+                                   "MUGRPO_HANG_AT"])
 def test_a_service_that_dies_or_hangs_mid_call_loses_its_chunks_to_another_once(tiny_model_dir, svc, weights,
                                                                                  expected, fault, capsys):
     # DIE: killed; FREEZE: SIGSTOP, /info silent; HANG: the engine stuck on the request, /info still answering

@@ -54,7 +54,7 @@ def reference(tmp_path_factory, tiny_model_dir):
     return _run(tmp_path_factory.mktemp("hf") / "run", tiny_model_dir, "rollout.engine=hf")
 
 
-@pytest.mark.parametrize("turns", ["single", "multi"])
+@pytest.mark.parametrize("turns", ["single", pytest.param("multi", marks=pytest.mark.slow)])
 def test_a_remote_run_is_token_exact_with_the_in_process_hf_engine(tmp_path, tiny_model_dir, svc, turns):
     # Multi-turn: lock-step on both sides (an in-process engine always is); independent trajectories through
     # a service against the in-process engine: tests/rollout/test_trajectories_service.py.
@@ -64,6 +64,7 @@ def test_a_remote_run_is_token_exact_with_the_in_process_hf_engine(tmp_path, tin
     _assert_same_run(ref, got)
 
 
+@pytest.mark.slow  # ~22 s; tests/rollout/test_remote.py keeps a service that dies mid-call
 def test_a_service_killed_mid_stage_leaves_the_run_to_the_other(tmp_path, tiny_model_dir, svc, reference):
     # Chunks go to whichever service is free, so where its 8th request falls varies: about half of the
     # start evaluation's 8 chunks go to each service, so it is most often a chunk of stage 0. It dies before
@@ -93,6 +94,7 @@ def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(t
     _assert_same_run(reference, run_dir)
 
 
+@pytest.mark.slow  # ~12 s
 def test_a_service_started_without_dtype_and_a_trainer_on_auto_precision_train_together(tmp_path, tiny_model_dir):
     # The documented pair, as written, on whatever CPU runs this: neither side names a dtype, and both resolve
     # it by one rule (bf16 where the CPU computes it natively, else float32), so the trainer's start-up check

@@ -34,6 +34,7 @@ def test_a_nan_loss_skips_that_update_and_training_continues(tmp_path, tiny_mode
     assert all(u["loss/policy"] is not None for u in updates[2:])  # finite again after the skip
 
 
+@pytest.mark.slow  # ~20 s
 def test_consecutive_non_finite_updates_stop_the_run_with_advice(tmp_path, tiny_model_dir):
     # lr 1e30 throws the weights to inf on the first step; every later loss is NaN.
     r = _run(tmp_path / "run", tiny_model_dir, "optim.lr=1e30", "checkpoint.max_bad_updates=2")
@@ -52,6 +53,7 @@ def test_reward_function_that_raises_is_counted_and_reported_once(tmp_path, tiny
     assert "stage 0: all 128 rewards failed and scored 0 (128 errors, 0 timeouts, 0 invalid values)" in r.stdout
 
 
+@pytest.mark.slow  # ~20 s; os._exit below keeps the check
 def test_reward_function_that_calls_sys_exit_is_an_error_not_the_end_of_the_run(tmp_path, tiny_model_dir):
     r = _run(tmp_path / "run", tiny_model_dir, "task.reward_fn=toy_rewards:exits")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -60,6 +62,7 @@ def test_reward_function_that_calls_sys_exit_is_an_error_not_the_end_of_the_run(
     assert (tmp_path / "run" / "final_model" / "config.json").is_file()
 
 
+@pytest.mark.slow  # ~19 s
 def test_a_run_whose_updates_were_all_skipped_fails_without_a_final_model(tmp_path, tiny_model_dir):
     r = _run(tmp_path / "run", tiny_model_dir, env_extra={"MUGRPO_POISON_AT": "loss:*"})
     assert r.returncode == 2, r.stderr[-2000:]
@@ -70,9 +73,10 @@ def test_a_run_whose_updates_were_all_skipped_fails_without_a_final_model(tmp_pa
 
 @pytest.mark.parametrize("extra,needle", [
     (["model.name=/nonexistent/model"], "does not exist"),
-    (["task.max_prompt_tokens=5"], "longer than task.max_prompt_tokens=5"),
-    (["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every training prompt is longer"),
-    (["task.kind=math", "task.name=/nonexistent.jsonl"], "does not exist"),
+    pytest.param(["task.max_prompt_tokens=5"], "longer than task.max_prompt_tokens=5", marks=pytest.mark.slow),
+    pytest.param(["task.max_prompt_tokens=5", "task.prompt_too_long=skip"], "every training prompt is longer",
+                 marks=pytest.mark.slow),
+    pytest.param(["task.kind=math", "task.name=/nonexistent.jsonl"], "does not exist", marks=pytest.mark.slow),
 ])
 def test_start_up_errors(tmp_path, tiny_model_dir, extra, needle):
     r = _run(tmp_path / "run", tiny_model_dir, *extra)
@@ -90,6 +94,7 @@ def test_run_dir_not_writable(tmp_path, tiny_model_dir):
     assert r.returncode == 2 and "not writable" in r.stderr
 
 
+@pytest.mark.slow  # ~13 s
 def test_truncated_prompts_train(tmp_path, tiny_model_dir):
     from mugrpo.stages.data import StageData
 
@@ -123,7 +128,7 @@ def _broken_model(tmp_path, tiny_model_dir, how):
 
 
 @pytest.mark.parametrize("how,needle", [
-    ("no_tokenizer", "has none of the tokenizer files"),
+    pytest.param("no_tokenizer", "has none of the tokenizer files", marks=pytest.mark.slow),
     ("truncated", "cannot read the weights {folder}/model.safetensors"),
 ])
 def test_broken_model_folder_is_named_with_what_to_do(tmp_path, tiny_model_dir, how, needle):

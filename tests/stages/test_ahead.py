@@ -241,6 +241,7 @@ def test_synchronous_run_is_unchanged_and_records_no_versions(tmp_path, tiny_mod
     assert not any(k.startswith(("stage/policy_lag", "perf/trainer_idle")) for s in _stages(run_dir) for k in s)
 
 
+@pytest.mark.slow  # ~20 s; one stage ahead keeps the check
 def test_two_stages_ahead_lag_by_at_most_two(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
     r = _train(run_dir, tiny_model_dir, "schedule.async_stages=2")
@@ -259,7 +260,7 @@ def test_replay_with_async_stages_exits_2_naming_both(tmp_path, tiny_model_dir, 
 @pytest.mark.parametrize("die_at", [
     # after stage 1's first update (the last checkpoint: stage 1's start, no mid-stage one); stage 2,
     # requested at stage 1's start from those weights, is (most likely) still being generated
-    "update:3",
+    pytest.param("update:3", marks=pytest.mark.slow),  # ~25 s; the stop below resumes in flight too
     pytest.param("generate:2", marks=pytest.mark.slow),  # stage 0's generation: no checkpoint yet
 ])
 def test_kill_during_generation_ahead_resumes_bitwise(tmp_path, tiny_model_dir, ahead_run, die_at):
@@ -288,7 +289,7 @@ def _same_final_weights(ref_dir, run_dir):
 @pytest.mark.parametrize("stop_at,every", [
     # stage 0, after its first update: the stop writes a mid-stage checkpoint while stage 1 (requested at
     # stage 0's start) is in flight; the resume must generate it from stage 0's start, not from here
-    ("update:1", 0),
+    pytest.param("update:1", 0, marks=pytest.mark.slow),
     # stage 1, after its first update, with a checkpoint after every update: stage 2 (from stage 1's start)
     # in flight
     ("update:3", 1),

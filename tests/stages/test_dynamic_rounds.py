@@ -130,8 +130,8 @@ def reference(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.parametrize("die_at", [
     pytest.param("round:1", marks=pytest.mark.slow),  # stage 0, after its first round is persisted
-    "round:2",      # stage 0, between its second and third round
-    "update:3",     # mid-stage 0 (checkpoint at update 2): the stage line's dynamic metrics are read back
+    pytest.param("round:2", marks=pytest.mark.slow),  # stage 0, between its second and third round
+    pytest.param("update:3", marks=pytest.mark.slow),  # mid-stage 0 (checkpoint at update 2): the stage line's dynamic metrics are read back
     # round 1's first batch (round 0: 64 prompts x 4 = 4 batches of 64): round 1 is generated again, round 0
     # read back
     pytest.param("generate:5", marks=pytest.mark.slow),
@@ -172,6 +172,7 @@ def test_plan_shows_it():
     assert off_rows["dynamic sampling"] == "off" and "round 0 draws" not in off_rows
 
 
+@pytest.mark.slow  # ~45 s; the single-turn rounds above keep the default tier's check
 def test_dynamic_sampling_with_an_environment_keeps_informative_trajectory_groups(tmp_path, tiny_model_dir):
     """A multi-turn stage generated in rounds: every kept group of trajectories is informative, the
     turns are kept with the data, and the environment's counts cover every trajectory of every round."""

@@ -78,6 +78,7 @@ def test_a_killed_replay_resumes_to_the_same_result(tmp_path, tiny_model_dir, or
     _assert_same_run(original, run_dir)
 
 
+@pytest.mark.slow  # ~18 s
 def test_a_replay_with_another_correction_trains_on_the_same_data(tmp_path, tiny_model_dir, original):
     run_dir = tmp_path / "opsm"
     r = _run(_cmd(run_dir, tiny_model_dir, "loss.correction=opsm", "--replay", str(original)))
@@ -115,6 +116,7 @@ def test_the_api_argument_replays_too(tmp_path, tiny_model_dir, original, monkey
 ENV = ["task.env=multiturn_envs:TryAgain", "rollout.max_new_tokens=12"]
 
 
+@pytest.mark.slow  # ~58 s
 def test_a_replayed_multi_turn_stage_gives_bitwise_the_same_updates(tmp_path, tiny_model_dir):
     """An environment's stage (policy and env turns interleaved, turn ids stored) replays like any
     other: the same updates, per-turn veto keys included; a replay without the environment is refused."""

@@ -26,6 +26,7 @@ def test_a_tool_environment_run_replays_with_an_identical_config(tmp_path, tiny_
 
 @pytest.mark.parametrize("key, overrides", [("task.reward_fn", ["task.reward_fn=toy_rewards:raises"]),
                                             ("task.rewards", ["task.reward_fn=null", "task.rewards=[correctness]"])])
+@pytest.mark.slow  # ~34 s (its source run); tests/stages/test_replay_e2e.py keeps a refused replay
 def test_a_replay_with_another_reward_is_refused_naming_the_key(tmp_path, tiny_model_dir, tool_source, key,
                                                                 overrides):
     r = _run(_cmd(tmp_path / "replay", tiny_model_dir, *TOOL_ENV, *overrides, "--replay", str(tool_source)))

@@ -66,6 +66,7 @@ def test_sigterm_inside_a_generate_call_stops_there_and_the_resume_is_bitwise(tm
     _assert_same_run(one_call_reference, run_dir)
 
 
+@pytest.mark.slow  # ~24 s
 def test_a_second_sigterm_aborts_at_once_and_the_run_still_resumes(tmp_path, tiny_model_dir, one_call_reference):
     # The first SIGTERM lands after update 3; the second inside the checkpoint it asked for (the
     # second checkpoint write: the first is update 2's). The process must not finish that write.

@@ -190,6 +190,7 @@ def test_killed_and_resumed_tis_run_is_bitwise_identical(tmp_path, tiny_model_di
     assert resumed_stage["stage/resumed"] == 1.0 and "stage/tis_weight_mean" in resumed_stage
 
 
+@pytest.mark.slow  # ~33 s
 @pytest.mark.distributed
 def test_two_rank_recompute_under_fsdp2_matches_the_engine_and_one_process(tiny_model_dir, tmp_path):
     # 2 ranks with FSDP2: each recomputes its own shard; with at most 4 sequences per micro-batch and

@@ -117,6 +117,7 @@ def test_a_guard_that_must_trip_ends_every_stage_at_min_updates(tmp_path, tiny_m
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir())[-1] == "ckpt_000008_s003_u00000"
 
 
+@pytest.mark.slow  # ~13 s
 def test_the_first_update_of_a_stage_never_trips_the_kl_guard(tmp_path, tiny_model_dir):
     # At a stage's first update current = behaviour (KL < 1e-9, test_trainer), so kl_max 1e-6 with
     # min 1 update cannot end a stage there; the second update, one lr-1e-2 step later, drifts past it.
@@ -174,7 +175,7 @@ def reference(tmp_path_factory, tiny_model_dir):
     # Killed after the update whose guard ends the stage, before that stage-end checkpoint: the resume
     # loads the mid-stage checkpoint (every_updates=2) and must replay the update and decide the same.
     pytest.param("update:6", marks=pytest.mark.slow),  # stage 1 (last checkpoint: update 4, in-stage 1)
-    "update:3",   # stage 0 (last checkpoint: update 2, in-stage 2)
+    pytest.param("update:3", marks=pytest.mark.slow),  # stage 0 (last checkpoint: update 2, in-stage 2)
 ])
 def test_killed_mid_adaptive_stage_resumes_bitwise(tmp_path, tiny_model_dir, reference, die_at):
     run_dir = tmp_path / "run"
@@ -183,6 +184,7 @@ def test_killed_mid_adaptive_stage_resumes_bitwise(tmp_path, tiny_model_dir, ref
     _resume_and_compare(run_dir, reference)
 
 
+@pytest.mark.slow  # ~27 s
 def test_sigterm_at_a_guard_trip_checkpoints_the_stage_end(tmp_path, tiny_model_dir, reference):
     # SIGTERM right after update 3, which trips the guard: the stop lands on the stage-end checkpoint
     # (stage 1, nothing done in it), not a mid-stage one from which stage 0 would go on.

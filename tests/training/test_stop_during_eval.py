@@ -85,6 +85,7 @@ def test_a_stop_inside_a_stage_end_evaluation_abandons_it_and_the_resume_evaluat
     _assert_same_run(reference, run_dir)
 
 
+@pytest.mark.slow  # ~39 s; tests/training/test_trainer_stop_after_first_eval.py keeps a stop inside an evaluation
 def test_a_stop_inside_the_last_evaluation_resumes_to_evaluate_and_export(tmp_path, tiny_model_dir, reference):
     # Inside the last stage's end evaluation (update 4, the end of the run): the run does not finish
     # without it; the resume evaluates, then exports the final model.
@@ -94,6 +95,7 @@ def test_a_stop_inside_the_last_evaluation_resumes_to_evaluate_and_export(tmp_pa
     _assert_same_run(reference, run_dir)
 
 
+@pytest.mark.slow  # ~47 s; the stop inside the last evaluation keeps the default tier's check
 def test_a_stop_inside_an_in_loop_evaluation_abandons_it_and_the_resume_evaluates_again(tmp_path, tiny_model_dir):
     # One stage of 4 updates: the evaluation at update 2 runs inside the stage's loop.
     ref_dir = tmp_path / "ref"

@@ -35,7 +35,8 @@ def _check_multi_turn_stage(run_dir, stage):
     assert any(max(t) >= 1 for t in data.turns)  # and trajectories of more than one policy turn
 
 
-@pytest.mark.parametrize("preset", ["grpo", "grpo-stale", pytest.param("grpo-stale-relaxed", marks=pytest.mark.slow),
+@pytest.mark.parametrize("preset", [pytest.param("grpo", marks=pytest.mark.slow),
+                                    pytest.param("grpo-stale", marks=pytest.mark.slow), pytest.param("grpo-stale-relaxed", marks=pytest.mark.slow),
                                     pytest.param("m2po", marks=pytest.mark.slow), "mu-grpo"])
 def test_every_preset_trains_on_multi_turn_trajectories(tmp_path, tiny_model_dir, preset):
     run_dir, updates, stages = _train(tmp_path, tiny_model_dir, preset)
@@ -68,10 +69,10 @@ def test_reward_rises_with_an_environment_and_evaluation_runs_through_it(tmp_pat
 
 
 @pytest.mark.parametrize("extra, check", [
-    (["lora.rank=4", "lora.target_modules=[q_proj,v_proj]"], "lora"),
-    (["loss.behavior_logprobs=trainer"], "tis"),
-    (["schedule.adaptive=kl", "schedule.adaptive_kl_max=1e-12", "schedule.adaptive_min_updates=1",
-      "schedule.num_stages=1"], "adaptive"),
+    pytest.param(["lora.rank=4", "lora.target_modules=[q_proj,v_proj]"], "lora", marks=pytest.mark.slow),
+    pytest.param(["loss.behavior_logprobs=trainer"], "tis", marks=pytest.mark.slow),
+    pytest.param(["schedule.adaptive=kl", "schedule.adaptive_kl_max=1e-12", "schedule.adaptive_min_updates=1",
+                  "schedule.num_stages=1"], "adaptive", marks=pytest.mark.slow),
 ])
 def test_lora_tis_and_adaptive_stages_with_an_environment(tmp_path, tiny_model_dir, extra, check):
     run_dir, updates, stages = _train(tmp_path, tiny_model_dir, "mu-grpo", *extra)

@@ -286,7 +286,7 @@ def test_warm_start_of_another_base_model_is_refused(tmp_path, tiny_model_dir, d
      "row 0"),
     ("{not json\n", "line 1"),
 ])
-@pytest.mark.parametrize("verb", ["sft", "train"])
+@pytest.mark.parametrize("verb", ["sft", pytest.param("train", marks=pytest.mark.slow)])
 def test_bad_demonstrations_exit_2(tmp_path, tiny_model_dir, content, message, verb):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)

@@ -80,6 +80,7 @@ def one_rank_sft(tmp_path_factory, tiny_model_dir, demos) -> Path:
     return _run(1, tmp_path_factory.mktemp("one") / "run", tiny_model_dir, demos)
 
 
+@pytest.mark.slow  # ~30 s
 @pytest.mark.distributed
 def test_two_processes_make_the_single_process_warm_start(two_rank_sft, one_rank_sft, tiny_model_dir):
     two, one = _steps(two_rank_sft), _steps(one_rank_sft)
@@ -148,6 +149,7 @@ def test_killed_two_process_warm_start_resumes_to_the_uninterrupted_weights(two_
     assert [r["kind"] for r in read_metrics(run_dir / "metrics.jsonl")].count("sft_data") == 1
 
 
+@pytest.mark.slow  # ~19 s
 @pytest.mark.distributed
 def test_every_rank_writes_into_rank_zeros_run_directory(tiny_model_dir, demos, tmp_path):
     # `mugrpo sft` without --run-dir names the run by the time (runs/sft-<time>), which two processes

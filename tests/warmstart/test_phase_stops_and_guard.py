@@ -23,6 +23,7 @@ def demos(tmp_path_factory):
     return _write(tmp_path_factory.mktemp("demos") / "demos.jsonl", DEMO_ROWS)
 
 
+@pytest.mark.slow  # ~23 s; tests/kit/test_lifecycle.py keeps a stop between the warm start and RL
 def test_a_stop_in_the_warm_starts_last_step_stops_the_run_before_rl(tmp_path, tiny_model_dir, demos):
     run_dir = tmp_path / "run"
     # step 12 of 12 (6 demonstrations, batch 2, 4 epochs): the step after which the warm start exports

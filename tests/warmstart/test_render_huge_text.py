@@ -36,7 +36,7 @@ def test_a_cut_prompt_is_dropped_as_the_whole_one_is():
     assert (counts["num_cut_texts"], counts["num_dropped"]) == (1, 1)
 
 
-@pytest.mark.parametrize("role", ["user", "assistant"])
+@pytest.mark.parametrize("role", [pytest.param("user", marks=pytest.mark.slow), "assistant"])
 def test_a_10_mb_message_keeps_a_warm_start_under_1_gb(tiny_model_dir, tmp_path, role):
     big = "1" * 10_000_000
     row = {"messages": [{"role": "user", "content": big if role == "user" else "q"},

@@ -128,6 +128,7 @@ def test_report_shows_the_warm_start_of_an_rl_run(rl_run, tmp_path):
     assert cells[2:8] == ["6", "12", f"{steps[0]['sft/loss']:.4f}", f"{steps[-1]['sft/loss']:.4f}", "144", "0"]
 
 
+@pytest.mark.slow  # ~14 s
 def test_report_shows_a_warm_start_only_run(rl_run, tiny_model_dir, tmp_path):
     out = tmp_path / "sft"
     r = _mugrpo("sft", "--run-dir", out, f"model.name={tiny_model_dir}", f"warmstart.data={rl_run}",

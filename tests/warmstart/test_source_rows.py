@@ -43,14 +43,17 @@ def test_a_python_label_without_its_rows_exits_2(tiny_model_dir, tmp_path):
     assert r.returncode == 2 and "warmstart.data='python:6 rows" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_plan_shows_a_warm_start_on_demonstrations(tiny_model_dir, tmp_path):
+def test_plan_shows_a_warm_start_on_demonstrations(tiny_model_dir, tmp_path, capsys):
+    from mugrpo.cli import main
+
     demos = _write(tmp_path / "demos.jsonl", DEMO_ROWS)
-    def plan(*keys):
-        r = _mugrpo("plan", f"model.name={tiny_model_dir}", f"warmstart.data={demos}", "warmstart.batch_size=4",
-                    "warmstart.epochs=2", "warmstart.lr=0.01", *keys)
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert f"6 demonstrations from {demos}" in r.stdout
-        return {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in r.stdout.splitlines()
+    def plan(*keys):  # in this process: the command's own code, without a start-up per call
+        rc = main(["plan", f"model.name={tiny_model_dir}", f"warmstart.data={demos}", "warmstart.batch_size=4",
+                   "warmstart.epochs=2", "warmstart.lr=0.01", *keys])
+        out, err = capsys.readouterr()
+        assert rc == 0, err[-3000:]
+        assert f"6 demonstrations from {demos}" in out
+        return {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in out.splitlines()
                 if line.startswith("warm start")}
 
     lines = plan()

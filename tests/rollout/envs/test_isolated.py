@@ -145,8 +145,8 @@ def _run(tmp_path, tiny_model_dir, *extra):
 
 @pytest.mark.parametrize("env,args,warning", [
     ("Counting", "{exit_at: 1}", "environment hostile_envs.Counting: its worker process died during step (exit code 5"),
-    ("ForcedTool", "{tool: die}", "tool 'die' ended its process (exit code 3)"),
-    ("ForcedTool", "{tool: backtrack}", "env timeout (hostile_envs.ForcedTool)"),
+    pytest.param("ForcedTool", "{tool: die}", "tool 'die' ended its process (exit code 3)", marks=pytest.mark.slow),
+    pytest.param("ForcedTool", "{tool: backtrack}", "env timeout (hostile_envs.ForcedTool)", marks=pytest.mark.slow),
 ])
 def test_with_no_isolation_keys_user_code_that_exits_or_hangs_ends_its_trajectory_and_the_run_goes_on(
         tmp_path, tiny_model_dir, env, args, warning):
@@ -161,7 +161,7 @@ def test_with_no_isolation_keys_user_code_that_exits_or_hangs_ends_its_trajector
     assert failed >= 1 and failed + stage.get("env/num_length", 0) == 4.0
 
 
-@pytest.mark.parametrize("isolation", [None, "thread"])
+@pytest.mark.parametrize("isolation", [None, pytest.param("thread", marks=pytest.mark.slow)])
 def test_a_constructor_that_exits_stops_the_run_with_exit_2_naming_it(tmp_path, tiny_model_dir, isolation):
     r = _run(tmp_path, tiny_model_dir, "task.env=hostile_envs:ExitsWhenMade", "task.reward_fn=none",
              *([f"env.step_isolation={isolation}"] if isolation else []))
