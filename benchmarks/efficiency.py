@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.suite import common_arguments, command, read_figures, read_stage_data, write_result
+from benchmarks.suite import common_arguments, command, read_figures, read_stage_data, worktree, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "benchmarks" / "cache" / "efficiency"
@@ -54,15 +54,6 @@ def machine() -> dict:
                   if line.startswith("model name")), "unknown")
     return {"cpu_capability": hw.cpu_capability, "native_bf16": hw.native_bf16, "cpu_model": model,
             "cpus": os.cpu_count(), "torch": torch.__version__, "loadavg": os.getloadavg()}
-
-
-def worktree(commit: str) -> Path:
-    """A detached checkout of ``commit`` under benchmarks/cache (made once)."""
-    path = WORK / f"tree-{commit}"
-    if not path.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True)
-    return path
 
 
 def measured(cmd: list[str], cwd: Path, env: dict, log: Path) -> dict:
@@ -109,7 +100,7 @@ def _mean(values) -> float | None:
 
 
 def part_job(args) -> dict:
-    before = worktree(args.before)
+    before = worktree(args.before, WORK)
     out = {}
     variants = [
         ("before", [str(ROOT / ".venv" / "bin" / "python"), "-m", "mugrpo", "train"], before, {"PYTHONPATH": str(before)}),
@@ -134,7 +125,7 @@ def part_job(args) -> dict:
 
 
 def part_memory(args) -> dict:
-    before = worktree(args.before)
+    before = worktree(args.before, WORK)
     overrides = ["rollout.engine=hf", "train.autocast=none", "rollout.dtype=float32", "schedule.total_updates=1",
                  "schedule.num_stages=1", "rollout.prompts_per_stage=8", "schedule.prompts_per_update=8",
                  "eval.num_items=0", "train.save_final_model=false", "train.progress=false"]

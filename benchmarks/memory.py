@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.suite import ROOT, common_arguments, command, write_result
+from benchmarks.suite import ROOT, common_arguments, command, worktree, write_result
 
 WORK = ROOT / "benchmarks" / "cache" / "memory"
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -137,15 +137,6 @@ def sample(cmd: list[str], run_dir: Path, log: Path, env: dict, cwd: Path = ROOT
             "log": str(log.relative_to(ROOT))}
 
 
-def worktree(commit: str) -> Path:
-    """A detached checkout of ``commit`` under benchmarks/cache (made once)."""
-    path = WORK / f"tree-{commit}"
-    if not path.is_dir():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True)
-    return path
-
-
 def learning(run_dir: Path) -> dict:
     from mugrpo.observability.loggers import read_metrics
 
@@ -167,7 +158,7 @@ def plan_lines(log: Path) -> list[str]:
 def part_job(args) -> dict:
     run_dir = WORK / f"job-{args.label}"
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    tree = worktree(args.commit) if args.commit else ROOT
+    tree = worktree(args.commit, WORK) if args.commit else ROOT
     # --direct: what train.sh execs once .venv-vllm exists (no set-up check), with the tree first on the path
     start = ([str(ROOT / ".venv-vllm" / "bin" / "python"), "-m", "mugrpo", "train"] if args.direct
              else ["bash", str(tree / "scripts" / "train.sh")])

@@ -46,6 +46,13 @@ BEFORE = "64f6cbb"
 """The last commit with the hand-written service (mugrpo/rollout/service.py's ThreadingHTTPServer)."""
 
 
+
+def _record(runs: list, result: dict, out, config: dict) -> None:
+    """Print one run's result, keep it, and write the runs so far (an unfinished result)."""
+    print(json.dumps(result), flush=True)
+    runs.append(result)
+    write_result(out, "serving", {"runs": runs}, config, finished=False)
+
 def _env(tree: Path, threads: int, **extra) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests"), str(ROOT / "benchmarks")]),
            "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -106,10 +113,7 @@ def stage(args) -> None:
                         raise RuntimeError(f"{arm}: client exit {r.returncode}\n{r.stderr[-3000:]}")
                     result = {"arm": arm, "repeat": rep, "eval_items": eval_items,
                               **json.loads(r.stdout.strip().splitlines()[-1])}
-                    print(json.dumps(result), flush=True)
-                    runs.append(result)
-                    write_result(args.out, "serving", {"runs": runs}, {**vars(args), "dtype": dtype},
-                                 finished=False)
+                    _record(runs, result, args.out, {**vars(args), "dtype": dtype})
             finally:
                 service.close()
     write_result(args.out, "serving", {"runs": runs, "table": stage_table(runs)}, {**vars(args), "dtype": dtype})
@@ -171,10 +175,7 @@ def agent(args) -> None:
                               **{k: st.get(k) for k in ("perf/generate_s", "perf/engine_busy_frac", "perf/tool_wait_s",
                                                         "env/tool_calls", "env/turns_mean", "env/num_trajectories",
                                                         "env/tool_call_frac", "reward/mean")}}
-                    print(json.dumps(result), flush=True)
-                    runs.append(result)
-                    write_result(args.out, "serving", {"runs": runs}, {**vars(args), "overrides": overrides},
-                                 finished=False)
+                    _record(runs, result, args.out, {**vars(args), "overrides": overrides})
     finally:
         service.close()
     write_result(args.out, "serving", {"runs": runs, "table": agent_table(runs)},

@@ -203,6 +203,15 @@ def require_commit() -> dict:
     return found
 
 
+def worktree(commit: str, work: Path) -> Path:
+    """A detached checkout of ``commit`` at ``work/tree-COMMIT`` (made once), to run another commit's code."""
+    path = work / f"tree-{commit}"
+    if not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True)
+    return path
+
+
 def machine(**extra) -> dict:
     """The machine the numbers came from; ``extra`` adds what one benchmark needs (threads, a GPU)."""
     import torch
