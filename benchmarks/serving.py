@@ -46,12 +46,12 @@ BEFORE = "64f6cbb"
 """The last commit with the hand-written service (mugrpo/rollout/service.py's ThreadingHTTPServer)."""
 
 
-
 def _record(runs: list, result: dict, out, config: dict) -> None:
     """Print one run's result, keep it, and write the runs so far (an unfinished result)."""
     print(json.dumps(result), flush=True)
     runs.append(result)
     write_result(out, "serving", {"runs": runs}, config, finished=False)
+
 
 def _env(tree: Path, threads: int, **extra) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(tree / "tests"), str(ROOT / "benchmarks")]),
