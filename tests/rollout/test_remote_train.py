@@ -94,7 +94,6 @@ def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(t
     _assert_same_run(reference, run_dir)
 
 
-@pytest.mark.slow  # ~12 s
 def test_a_service_started_without_dtype_and_a_trainer_on_auto_precision_train_together(tmp_path, tiny_model_dir):
     # The documented pair, as written, on whatever CPU runs this: neither side names a dtype, and both resolve
     # it by one rule (bf16 where the CPU computes it natively, else float32), so the trainer's start-up check

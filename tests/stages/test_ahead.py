@@ -289,7 +289,7 @@ def _same_final_weights(ref_dir, run_dir):
 @pytest.mark.parametrize("stop_at,every", [
     # stage 0, after its first update: the stop writes a mid-stage checkpoint while stage 1 (requested at
     # stage 0's start) is in flight; the resume must generate it from stage 0's start, not from here
-    pytest.param("update:1", 0, marks=pytest.mark.slow),
+    ("update:1", 0),
     # stage 1, after its first update, with a checkpoint after every update: stage 2 (from stage 1's start)
     # in flight
     ("update:3", 1),

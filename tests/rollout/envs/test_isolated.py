@@ -145,8 +145,8 @@ def _run(tmp_path, tiny_model_dir, *extra):
 
 @pytest.mark.parametrize("env,args,warning", [
     ("Counting", "{exit_at: 1}", "environment hostile_envs.Counting: its worker process died during step (exit code 5"),
-    pytest.param("ForcedTool", "{tool: die}", "tool 'die' ended its process (exit code 3)", marks=pytest.mark.slow),
-    pytest.param("ForcedTool", "{tool: backtrack}", "env timeout (hostile_envs.ForcedTool)", marks=pytest.mark.slow),
+    ("ForcedTool", "{tool: die}", "tool 'die' ended its process (exit code 3)"),
+    ("ForcedTool", "{tool: backtrack}", "env timeout (hostile_envs.ForcedTool)"),
 ])
 def test_with_no_isolation_keys_user_code_that_exits_or_hangs_ends_its_trajectory_and_the_run_goes_on(
         tmp_path, tiny_model_dir, env, args, warning):
