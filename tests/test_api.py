@@ -160,6 +160,7 @@ def test_rows_without_answers_train_when_no_reward_checks_answers(tmp_path, tiny
     assert len(result.metrics("update")) == 1
 
 
+@pytest.mark.slow  # ~12 s
 def test_example_script_runs(tmp_path, tiny_model_dir):
     example = TESTS.parent / "examples" / "train_api.py"
     r = subprocess.run([sys.executable, str(example), "--model", tiny_model_dir, "--updates", "2", "--run-dir",

@@ -193,6 +193,7 @@ def test_two_processes_make_the_same_updates_as_one_process_on_the_same_stage_da
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # ~22 s
 @pytest.mark.distributed
 def test_two_process_run_learns_exports_one_hf_folder_and_resumes(two_rank_run, tmp_path):
     from transformers import AutoModelForCausalLM

@@ -115,6 +115,7 @@ def test_a_stop_while_a_resumed_run_loads_names_its_resume_command(tiny_model_di
     assert _mugrpo("train", "--resume", run).returncode == 0
 
 
+@pytest.mark.slow  # ~24 s; tests/warmstart/test_phase_stops_and_guard.py keeps a SIGTERM in the warm start
 def test_a_stop_between_the_warm_start_and_rl_names_the_run_and_resumes_into_rl(tiny_model_dir, demos, tmp_path):
     run = tmp_path / "run"
     args = ("train", "--run-dir", run, f"model.name={tiny_model_dir}", f"warmstart.data={demos}", *RL_KEYS,

@@ -201,6 +201,7 @@ def test_resume_removes_temporary_files_left_by_a_kill(tmp_path, reference):
     assert f"removed {stale[0]}" in r.stdout
 
 
+@pytest.mark.slow  # ~23 s
 def test_truncated_stage_file_is_named_and_the_advice_works(tmp_path, reference):
     # Without ckpt 8 the resume loads ckpt 6 (stage 1, 2 updates in), which needs stage 1's data.
     run_dir = _copy(reference, tmp_path)

@@ -35,8 +35,8 @@ def _eval_updates(run_dir):
     pytest.param((), "generate:1", [0, 2, 4], marks=pytest.mark.slow),
     # Every 2 updates, checkpoints too; killed after update 3: ckpt at update 2 (after its evaluation).
     # The resumed run evaluates update 2 again at its start (2 is a multiple of eval.every_updates).
-    (("eval.every_updates=1", "eval.every_stages=0", "schedule.num_stages=1", "checkpoint.every_updates=2"),
-     "update:3", [0, 1, 2, 3, 4]),
+    pytest.param(("eval.every_updates=1", "eval.every_stages=0", "schedule.num_stages=1", "checkpoint.every_updates=2"),
+                 "update:3", [0, 1, 2, 3, 4], marks=pytest.mark.slow),
 ])
 def test_a_killed_and_resumed_run_logs_each_evaluation_once(tmp_path, tiny_model_dir, extra, die_at, expected):
     run_dir = tmp_path / "run"

@@ -22,7 +22,7 @@ def env_reference(tmp_path_factory, tiny_model_dir):
 @pytest.mark.parametrize("die_at, stage_0_done", [
     # stage 0, after its second policy turn, before its env steps (no checkpoint yet)
     pytest.param("turn:2", False, marks=pytest.mark.slow),
-    ("turn:4", True),        # stage 1, mid-trajectories (stage 0 took 3 turns)
+    pytest.param("turn:4", True, marks=pytest.mark.slow),  # stage 1, mid-trajectories (stage 0 took 3 turns)
     pytest.param("env_step:40", False, marks=pytest.mark.slow),  # inside an environment step (a tool call) of stage 0
 ])
 def test_killed_mid_trajectory_and_resumed_run_is_bitwise_identical(tmp_path, tiny_model_dir, env_reference, die_at,

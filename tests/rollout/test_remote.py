@@ -389,6 +389,7 @@ def test_a_service_that_dies_or_hangs_mid_call_loses_its_chunks_to_another_once(
         failing.kill()
 
 
+@pytest.mark.slow  # ~16 s
 def test_a_restarted_service_gets_the_current_weights_before_use(tiny_model_dir, weights, expected):
     first = start(tiny_model_dir)
     port = first.url.rsplit(":", 1)[1]

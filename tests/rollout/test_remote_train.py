@@ -75,6 +75,7 @@ def test_a_service_killed_mid_stage_leaves_the_run_to_the_other(tmp_path, tiny_m
     _assert_same_run(reference, got)
 
 
+@pytest.mark.slow  # ~20 s; tests/rollout/test_remote.py names the URLs and the resume command
 def test_with_no_service_left_the_run_stops_naming_the_url_and_resumes_exactly(tmp_path, tiny_model_dir, svc,
                                                                                reference, capsys):
     run_dir = tmp_path / "run"

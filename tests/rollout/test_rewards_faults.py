@@ -87,6 +87,7 @@ def test_start_up_errors(tmp_path, tiny_model_dir, extra, needle):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # ~12 s
 def test_run_dir_not_writable(tmp_path, tiny_model_dir):
     blocker = tmp_path / "file"
     blocker.write_text("x")

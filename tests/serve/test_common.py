@@ -92,3 +92,44 @@ def test_damaged_weights_refuse_generation_until_a_whole_version_loads():
     assert refused.status_code == 503 and "version 3 failed midway" in refused.json()["error"]
     assert refused.headers["x-mugrpo-boot-id"] == state.boot_id
     assert health == 503 and info["damaged"].startswith("loading version 3")
+
+
+def _body_limit_events(messages, headers=(), linger_s=None):
+    """What the client's channel saw, in order, when ``messages`` arrive at a BodyLimit of 1000 bytes: a
+    "recv" per message taken, then the answer's status. A ``None`` message never arrives (a stalled client)."""
+    from mugrpo.serve.common import BodyLimit
+
+    events = []
+
+    async def receive():
+        message = messages.pop(0)
+        if message is None:
+            await asyncio.sleep(3600)
+        events.append("recv")
+        return message
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            events.append(message["status"])
+
+    async def app(scope, receive, send):
+        raise AssertionError("a body past the limit reached the app")
+
+    limit = BodyLimit(app, limit=1000, timeout_s=5)
+    if linger_s is not None:
+        limit.LINGER_S = linger_s
+    asyncio.run(limit({"type": "http", "headers": list(headers)}, receive, send))
+    return events
+
+
+def test_a_413_reads_the_rest_of_the_body_first_so_the_close_cannot_reset_the_answer():
+    chunk = {"type": "http.request", "body": b"x" * 600, "more_body": True}
+    last = {"type": "http.request", "body": b"x" * 600, "more_body": False}
+    # streamed: past the limit at the second chunk; the third is read (and dropped) before the answer
+    assert _body_limit_events([chunk, chunk, last]) == ["recv", "recv", "recv", 413]
+    # announced: refused by Content-Length, yet every chunk the client sends is read before the answer
+    assert _body_limit_events([chunk, chunk, last], [(b"content-length", b"1800")]) == ["recv"] * 3 + [413]
+    # a client that stops sending gets its answer when the linger ends, not never
+    t0 = time.monotonic()
+    assert _body_limit_events([chunk, None], [(b"content-length", b"1800")], linger_s=0.2) == ["recv", 413]
+    assert time.monotonic() - t0 < 5

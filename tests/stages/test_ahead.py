@@ -251,6 +251,7 @@ def test_two_stages_ahead_lag_by_at_most_two(tmp_path, tiny_model_dir):
     assert [s["stage/policy_lag_max"] for s in _stages(run_dir)] == [0, 1, 2, 2]
 
 
+@pytest.mark.slow  # ~14 s
 def test_replay_with_async_stages_exits_2_naming_both(tmp_path, tiny_model_dir, ahead_run):
     r = _train(tmp_path / "run", tiny_model_dir, "schedule.async_stages=1", "--replay", str(ahead_run))
     assert r.returncode == 2 and "schedule.async_stages=1" in r.stderr and "--replay" in r.stderr, r.stderr[-2000:]
@@ -289,7 +290,7 @@ def _same_final_weights(ref_dir, run_dir):
 @pytest.mark.parametrize("stop_at,every", [
     # stage 0, after its first update: the stop writes a mid-stage checkpoint while stage 1 (requested at
     # stage 0's start) is in flight; the resume must generate it from stage 0's start, not from here
-    ("update:1", 0),
+    pytest.param("update:1", 0, marks=pytest.mark.slow),
     # stage 1, after its first update, with a checkpoint after every update: stage 2 (from stage 1's start)
     # in flight
     ("update:3", 1),

@@ -98,6 +98,7 @@ def _train(tmp_path, model_dir, name, *extra):
     return run_dir, [r for r in records if r["kind"] == "update"], [r for r in records if r["kind"] == "stage"]
 
 
+@pytest.mark.slow  # ~11 s; the guard's decisions are unit-tested above
 def test_a_guard_that_must_trip_ends_every_stage_at_min_updates(tmp_path, tiny_model_dir):
     # kl_max 1e-12: any update after the first step of a stage has KL > 0, so each stage ends as soon as
     # adaptive_min_updates = 3 allow: stages of 3, 3, then 2 (8 - 6: the budget ends the last one).

@@ -282,8 +282,8 @@ def test_warm_start_of_another_base_model_is_refused(tmp_path, tiny_model_dir, d
 @pytest.mark.parametrize("content,message", [
     ("", "the dataset is empty"),
     (json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n", "row 0"),
-    (json.dumps({"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n",
-     "row 0"),
+    pytest.param(json.dumps({"messages": [{"role": "robot", "content": "q"}, {"role": "assistant", "content": "a"}]})
+                 + "\n", "row 0", marks=pytest.mark.slow),
     ("{not json\n", "line 1"),
 ])
 @pytest.mark.parametrize("verb", ["sft", pytest.param("train", marks=pytest.mark.slow)])

@@ -56,6 +56,7 @@ def test_sigterm_during_the_warm_start_ends_the_run_with_the_resume_command(tmp_
     assert any((run_dir / "warmstart" / "checkpoints").glob("ckpt_*")) and not (run_dir / "stages").exists()
 
 
+@pytest.mark.slow  # ~11 s
 def test_a_diverging_warm_start_stops_with_exit_2_and_writes_no_model(tmp_path, tiny_model_dir, demos):
     run_dir = tmp_path / "run"
     r = _mugrpo(*_train_cmd(run_dir, tiny_model_dir, demos), "warmstart.lr=1e9", "warmstart.epochs=1")

@@ -46,6 +46,7 @@ def _stored(run_dir, min_reward):
     return total, kept, tokens
 
 
+@pytest.mark.slow  # ~22 s
 def test_rejection_sampling_from_a_run(rl_run, tiny_model_dir, tmp_path):
     total, kept, tokens = _stored(rl_run, 1.0)
     assert total == 32  # 2 stages x 4 prompts x G = 4
