@@ -33,7 +33,6 @@ def run_example(name: str, tmp_path: Path, model_dir: str, *extra: str) -> list[
     return stages
 
 
-@pytest.mark.slow  # ~28 s; tests/training/test_tool_signal.py trains with the calculator
 def test_calculator_example(tmp_path):
     from mugrpo.models.tiny import build_tiny_model
 
