@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.async_stages import listening_url
-from benchmarks.suite import common_arguments, write_result
+from benchmarks.suite import common_arguments, worktree, write_result
 from mugrpo import faults
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,12 +64,7 @@ def _env(tree: Path, threads: int, **extra) -> dict:
 
 def before_tree(commit: str) -> Path:
     """A detached worktree of ``commit`` (made once, kept in the cache)."""
-    tree = CACHE / f"tree-{commit}"
-    if not (tree / "mugrpo").is_dir():
-        shutil.rmtree(tree, ignore_errors=True)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), commit], check=True,
-                       capture_output=True)
-    return tree
+    return worktree(commit, CACHE)
 
 
 class Service:

@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -206,9 +207,11 @@ def require_commit() -> dict:
 def worktree(commit: str, work: Path) -> Path:
     """A detached checkout of ``commit`` at ``work/tree-COMMIT`` (made once), to run another commit's code."""
     path = work / f"tree-{commit}"
-    if not path.is_dir():
+    if not (path / "mugrpo").is_dir():  # not made yet, or left half made
+        shutil.rmtree(path, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT, check=True,
+                       capture_output=True)
     return path
 
 
